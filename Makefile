@@ -1,0 +1,78 @@
+# Each target is one line into `python -m app` (or the compose service that runs it).
+# Settings come from the environment, `.env`, or the command line: `make sft NODE_RANK=1`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# RUNTIME=auto|docker|local. auto: docker when a Docker engine answers, else local.
+RUNTIME ?= auto
+ifeq ($(RUNTIME),auto)
+override RUNTIME := $(shell timeout 5 docker info >/dev/null 2>&1 && echo docker || echo local)
+endif
+# RUNTIME=local runs in .venv when there is one, else any interpreter (PYTHON=python3 PYTHONPATH=...).
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+
+# Everything the app reads; exported so each command (and compose's interpolation) sees it.
+export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
+       HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
+       TRAIN_FILE VAL_FILE PROJECT EXPERIMENT RUNS_DIR SWANLAB_MODE WAIT_TIMEOUT
+
+# $(call app,SERVICE): the `python -m app` prefix, inside SERVICE's container with RUNTIME=docker.
+app = $(if $(filter docker,$(RUNTIME)),docker compose run --rm $(1) python -m app,$(PYTHON) -m app)
+
+.PHONY: help setup test prep data-check check sft grpo-head grpo-worker gather merge eval report \
+        board doctor smoke build tiny-model
+
+help: ## list every target
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "  (RUNTIME=$(RUNTIME); variables: README.md, or .env.example)"
+
+setup: ## build .venv with everything the tests and the CPU-side commands need
+	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -c constraints-dev.txt -e '.[dev]'
+
+test: ## run the whole test suite (CPU; real Ray, torchrun and FSDP processes)
+	$(PYTHON) -m pytest
+
+prep: ## GSM8K -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, default: bundled copy)
+	$(call app,gsm8k-prep) prep gsm8k
+
+data-check: ## check your own parquet: make data-check FILE=x.parquet [KIND=rl|sft] [FIX=out.parquet]
+	$(call app,gsm8k-prep) data check $(FILE) $(if $(KIND),--kind $(KIND)) $(if $(FIX),--fix $(FIX))
+
+check: ## preflight only: make check JOB=sft|grpo
+	$(call app,sft-runner) check $(or $(JOB),sft)
+
+sft: ## SFT on this node (NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT; DRY_RUN=1, FRESH=1)
+	$(call app,sft-runner) sft
+
+grpo-head: ## Ray head: wait for NNODES nodes, then run GRPO (HEAD_IP, RAY_PORT, GPUS_PER_NODE)
+	$(call app,ray-head) grpo-head
+
+grpo-worker: ## Ray worker: join HEAD_IP and stay until the head goes away
+	$(call app,ray-worker) grpo-worker
+
+gather: ## pull every node's shards into CKPT_DIR: make gather NODES="ip1 ip2" [STEP=N]
+	$(call app,merger) gather
+
+merge: ## merge STEP (default latest) of CKPT_DIR into a Hugging Face model in OUT_DIR (FORCE=1 replaces)
+	$(call app,merger) merge
+
+eval: ## GSM8K test accuracy: make eval STEP=N or MODEL=path
+	$(call app,merger) eval
+
+report: ## plots + summary of a run: make report RUN=runs/<name>
+	$(call app,merger) report
+
+board: ## serve the local swanlab dashboard of the runs
+	$(call app,merger) board
+
+doctor: ## is this node ready? what to fix, one line each
+	$(call app,ray-worker) doctor
+
+smoke: ## whole pipeline on one GPU with a tiny local model: prep, SFT, merge, generate
+	$(call app,sft-runner) smoke
+
+tiny-model: ## write a tiny random model + tokenizer: make tiny-model OUT=models/tiny
+	$(call app,merger) tiny-model $(or $(OUT),models/tiny)
+
+build: ## build the pinned image (docker compose build)
+	docker compose build

@@ -1,0 +1,69 @@
+"""`python -m app <command> ...`: the one CLI. Each command lives in the module of its stage and is
+imported only when used, so the plan/preflight path stays fast (no torch import to print help)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from app.common import UserError
+
+# command -> (module, one-line help). Each module exposes main(command, argv) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prep": ("app.data", "prepare a dataset for verl: prep gsm8k"),
+    "data": ("app.data", "check (and fix) your own parquet: data check FILE [--kind rl|sft] [--fix OUT]"),
+    "check": ("app.config", "preflight: compose the sft|grpo config and reject what would fail later"),
+    "config": ("app.config", "print the composed sft|grpo config"),
+    "sft": ("app.launch", "launch SFT on this node (torchrun; same line on every node but NODE_RANK)"),
+    "grpo-head": ("app.launch", "start the Ray head, wait for the workers, run GRPO"),
+    "grpo-worker": ("app.launch", "join the Ray head and stay until it goes away"),
+    "gather": ("app.checkpoints", "pull every node's checkpoint shards into one directory"),
+    "merge": ("app.checkpoints", "merge FSDP shards of STEP into a Hugging Face model and verify it"),
+    "eval": ("app.eval", "GSM8K test accuracy of a merged model"),
+    "report": ("app.tracking", "plots and a summary of a run from its JSONL log"),
+    "board": ("app.tracking", "serve the local swanlab dashboard"),
+    "doctor": ("app.doctor", "is this node ready? one screen, with what to do for each red line"),
+    "smoke": ("app.smoke", "the whole pipeline on one GPU with a tiny local model"),
+    "tiny-model": ("app.tiny", "write a tiny random Qwen2 model + tokenizer (tests, smoke, benchmarks)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m app <command> [args]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; run `python -m app --help` for the list", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.main(command, rest) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug, not a user mistake: still one line unless asked for more
+        if os.environ.get("APP_DEBUG"):
+            raise
+        print(
+            f"error: internal error {type(exc).__name__}: {exc} "
+            "(rerun with APP_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

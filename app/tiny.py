@@ -1,0 +1,118 @@
+"""Tiny local models: a random-weight Qwen2 built from a config plus a small byte-level BPE tokenizer
+with a Qwen-style chat template. No hub downloads anywhere: tests, `make smoke` and the benchmarks
+all build their model here (clusters are often air-gapped, and CI has no Hugging Face access)."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+from app.common import REPO_ROOT, UserError, atomic_path, say
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen2.5's template, reduced to what verl's SFT and RL datasets use (system/user/assistant turns).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Shapes of real models (random weights): benchmarks need realistic FLOPs and memory, not quality.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                         vocab_size=151936),
+}
+
+BUNDLED_GSM8K = REPO_ROOT / "data" / "gsm8k_source" / "train.jsonl.gz"
+
+
+def _corpus(max_rows: int = 2000) -> list[str]:
+    """Text to train the tokenizer on: bundled GSM8K rows, so digits, '####' and math words are cheap."""
+    lines = ["<|im_start|>user\nLet's think step by step and output the final answer after \"####\"."]
+    with gzip.open(BUNDLED_GSM8K, "rt", encoding="utf-8") as handle:
+        for i, line in enumerate(handle):
+            if i >= max_rows:
+                break
+            row = json.loads(line)
+            lines += [row["question"], row["answer"]]
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """A byte-level BPE (any text encodes) trained in about a second, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL_TOKENS[1:])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(preset: str = "tiny", vocab_size: int | None = None, seed: int = 0, **overrides):
+    """A random-weight Qwen2ForCausalLM of the preset's shape (fp32 weights, config dtype bf16)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    shape = dict(PRESETS[preset])
+    shape.update(overrides)
+    if vocab_size is not None and "vocab_size" not in PRESETS[preset]:
+        shape["vocab_size"] = vocab_size
+    config = Qwen2Config(max_position_embeddings=4096, rope_theta=10000.0, **shape)
+    config.torch_dtype = "bfloat16"
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype: str = "bfloat16",
+                     **overrides) -> Path:
+    """Write model + tokenizer + chat template to `out` (atomically) and return it."""
+    import torch
+
+    out = Path(out)
+    tokenizer = build_tokenizer()
+    # Round the vocabulary up to a multiple of 64, as real checkpoints do (tensor-parallel friendly).
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    model = build_model(preset, vocab_size=vocab, seed=seed, **overrides)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    with atomic_path(out) as tmp:
+        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def main(command: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app tiny-model", description=__doc__)
+    parser.add_argument("out", help="directory to write the model to")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--force", action="store_true", help="replace an existing directory")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise UserError(f"{out} already exists: pass --force to replace it or choose another path")
+    write_tiny_model(out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    say(f"wrote {args.preset} model and tokenizer to {out}")
+    return 0
