@@ -1,0 +1,603 @@
+"""Data for verl 0.9.1: `prep gsm8k` writes GSM8K in verl's RL and multi-turn SFT schemas, and
+`data check FILE [--kind rl|sft] [--fix OUT]` checks (and repairs) users' own parquet before a
+training run trips over it.
+
+Python API (the preflight of `sft`/`grpo-head` calls these):
+  - `check_parquet(path, kind=None) -> CheckReport`: raises UserError on the first bad input.
+  - `fix_parquet(path, out, kind=None) -> CheckReport`: string prompts -> one-message chat lists.
+  - `prep_gsm8k(source=None, data_dir="data") -> dict[name, Path]`.
+  - `routed_data_sources()`: the data_source names verl's default scorer knows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import functools
+import gzip
+import importlib.util
+import json
+import re
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from app.common import REPO_ROOT, UserError, atomic_path, env, env_flag, say, warn
+
+GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
+INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+BUNDLED_GSM8K = REPO_ROOT / "data" / "gsm8k_source"
+SPLITS = ("train", "test")
+KINDS = ("rl", "sft")
+# Roles the chat templates of the models this stack trains (Qwen, Llama, ...) accept.
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+# What verl's gsm8k scorer can match after "#### " (its regex, less the commas we strip).
+_NUMBER = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
+
+
+# --- checking ----------------------------------------------------------------------------------------
+@dataclass
+class CheckReport:
+    """What `check_parquet` found in a file that passed: its kind, row count, and soft notes
+    (things that are not errors but need the user's attention, e.g. a custom reward function)."""
+
+    path: Path
+    kind: str
+    rows: int
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        what = "RL (prompt, data_source, reward_model)" if self.kind == "rl" else "SFT (messages)"
+        return f"ok: {self.path}: {self.rows} rows, {what}"
+
+
+def _verl_file(relative: str) -> Path | None:
+    """A file of the installed verl package, located without importing verl."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    return path if path.is_file() else None
+
+
+@functools.cache
+def routed_data_sources() -> tuple[frozenset[str], tuple[str, ...]] | None:
+    """(names, prefixes) of the data_source values verl's `default_compute_score` routes to a scorer,
+    or None when verl is not installed.
+
+    Read from the installed verl's own source so the list follows its version; parsed, not imported,
+    because importing verl pulls in torch and Ray (~10 s) for what is a list of string literals.
+    """
+    path = _verl_file("utils/reward_score/__init__.py")
+    if path is None:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    func = next((node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and node.name == "default_compute_score"), None)
+    if func is None:
+        return None
+    names: set[str] = set()
+    prefixes: list[str] = []
+
+    def strings(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return [s for elt in node.elts for s in strings(elt)]
+        return []
+
+    for node in ast.walk(func):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "data_source":
+            for comparator in node.comparators:
+                names.update(strings(comparator))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "startswith" and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == "data_source"):
+            prefixes += [s for arg in node.args for s in strings(arg)]
+    return frozenset(names), tuple(prefixes)
+
+
+def _read_table(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.exists():
+        raise UserError(f"{path} does not exist: check the path (a parquet file with your rows)")
+    if path.is_dir():
+        raise UserError(f"{path} is a directory: pass one parquet file")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path} is not a readable parquet file ({reason}): "
+                        "rewrite it with pandas.DataFrame.to_parquet or pyarrow") from None
+
+
+def _first(mask) -> int | None:
+    """Index of the first True in a boolean arrow array (nulls count as False), or None."""
+    import pyarrow.compute as pc
+
+    index = pc.index(pc.fill_null(mask, False), True).as_py()
+    return None if index is None or index < 0 else index
+
+
+def _check_chat(table, column: str, where: str, kind: str) -> tuple:
+    """Check a chat column (RL `prompt`, SFT `messages`): list of {role, content}, known roles.
+    Returns (roles, parent row of each message) for further checks."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = table.column(column).combine_chunks()
+    kind_word = "RL" if kind == "rl" else "SFT"
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+        preview = (array[0].as_py() or "")[:60]
+        if kind == "rl":
+            raise UserError(
+                f"{where}: `{column}` is a plain string (row 0: {preview!r}); verl needs a chat list "
+                f"[{{\"role\": \"user\", \"content\": ...}}] and fails mid-training otherwise: "
+                f"run `python -m app data check {where} --fix OUT.parquet` and train on OUT.parquet")
+        raise UserError(
+            f"{where}: `{column}` is a plain string (row 0: {preview!r}); SFT needs a conversation "
+            f"[{{\"role\": \"user\", ...}}, {{\"role\": \"assistant\", ...}}]: rebuild the column as such lists")
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise UserError(f"{where}: `{column}` has type {array.type}, not a list of {{role, content}} "
+                        f"messages: rewrite it as [{{\"role\": \"user\", \"content\": ...}}, ...]")
+    message_type = array.type.value_type
+    if not pa.types.is_struct(message_type) or {"role", "content"} - {f.name for f in message_type}:
+        raise UserError(f"{where}: the messages in `{column}` are {message_type}, not {{role, content}} "
+                        f"dicts: rewrite each message as {{\"role\": ..., \"content\": ...}}")
+    if (row := _first(array.is_null())) is not None:
+        raise UserError(f"{where}: row {row} has no `{column}` (null): fill it or drop the row")
+    if (row := _first(pc.equal(pc.list_value_length(array), 0))) is not None:
+        raise UserError(f"{where}: row {row} has an empty `{column}` list: give it at least one message "
+                        "or drop the row")
+    messages = array.flatten()
+    parents = pc.list_parent_indices(array)
+    if (i := _first(messages.is_null())) is not None:
+        raise UserError(f"{where}: row {parents[i].as_py()} has a null message in `{column}`: "
+                        "remove it or make it {role, content}")
+    roles = messages.field("role")
+    if not (pa.types.is_string(roles.type) or pa.types.is_large_string(roles.type)):
+        raise UserError(f"{where}: `{column}` roles have type {roles.type}, not text: use 'user', 'assistant', ...")
+    unknown = pc.invert(pc.is_in(pc.fill_null(roles, ""), value_set=pa.array(KNOWN_ROLES)))
+    if (i := _first(unknown)) is not None:
+        raise UserError(f"{where}: row {parents[i].as_py()} has a message with role {roles[i].as_py()!r} in "
+                        f"`{column}`, not one of {', '.join(KNOWN_ROLES)}: rename it (chat templates reject "
+                        f"other roles; {kind_word} training would fail on it)")
+    contents = messages.field("content")
+    if (i := _first(contents.is_null())) is not None:
+        raise UserError(f"{where}: row {parents[i].as_py()} has a message without content in `{column}`: "
+                        "give every message a text `content`")
+    return roles, parents
+
+
+def _check_rl(table, where: str, notes: list[str]) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "data_source" not in table.column_names:
+        raise UserError(f"{where}: no `data_source` column: add one (e.g. \"{GSM8K_DATA_SOURCE}\"); verl picks "
+                        "the reward function by it")
+    if "reward_model" not in table.column_names:
+        raise UserError(f"{where}: no `reward_model` column: add {{\"style\": \"rule\", \"ground_truth\": ...}} "
+                        "to every row; the reward needs the ground truth")
+    _check_chat(table, "prompt", where, "rl")
+
+    source = table.column("data_source").combine_chunks()
+    if not (pa.types.is_string(source.type) or pa.types.is_large_string(source.type)):
+        raise UserError(f"{where}: `data_source` has type {source.type}, not text: store the dataset name "
+                        "as a string")
+    if (row := _first(pc.equal(pc.fill_null(source, ""), ""))) is not None:
+        raise UserError(f"{where}: row {row} has an empty `data_source`: set it to the dataset name")
+
+    reward = table.column("reward_model").combine_chunks()
+    if not pa.types.is_struct(reward.type) or "ground_truth" not in {f.name for f in reward.type}:
+        raise UserError(f"{where}: `reward_model` is {reward.type}, not a dict with `ground_truth`: write "
+                        "{\"style\": \"rule\", \"ground_truth\": ...} in every row")
+    truth = reward.field("ground_truth")
+    missing = pc.or_(reward.is_null(), truth.is_null())
+    if pa.types.is_string(truth.type) or pa.types.is_large_string(truth.type):
+        missing = pc.or_(missing, pc.equal(pc.fill_null(truth, ""), ""))
+    if (row := _first(missing)) is not None:
+        raise UserError(f"{where}: row {row} has no reward_model.ground_truth: fill it in or drop the row; "
+                        "without it the reward cannot be computed")
+
+    routed = routed_data_sources()
+    counts = {v["values"]: v["counts"] for v in pc.value_counts(source).to_pylist()}
+    if routed is None:
+        notes.append("verl is not installed here, so which data_source values its default scorer routes "
+                      "was not checked")
+        return
+    names, prefixes = routed
+    for name, count in sorted(counts.items()):
+        if name not in names and not name.startswith(prefixes):
+            notes.append(
+                f"data_source {name!r} ({count} rows) is not routed by verl's default scorer: configure a "
+                f"custom reward function (reward.custom_reward_function.path=my_reward.py "
+                f"reward.custom_reward_function.name=compute_score), or GRPO fails at the first reward")
+
+
+def _check_sft(table, where: str) -> None:
+    import numpy as np
+    import pyarrow.compute as pc
+
+    roles, parents = _check_chat(table, "messages", where, "sft")
+    is_assistant = pc.equal(roles, "assistant").to_numpy(zero_copy_only=False)
+    per_row = np.bincount(parents.to_numpy()[is_assistant], minlength=table.num_rows)
+    if (per_row == 0).any():
+        row = int(np.argmax(per_row == 0))
+        raise UserError(f"{where}: row {row} has no assistant message: SFT learns only from assistant "
+                        "turns; add the answer as {\"role\": \"assistant\", ...} or drop the row")
+
+
+def check_table(table, kind: str | None, where: str) -> CheckReport:
+    """Check an in-memory arrow table as `check_parquet` does (`where` names it in messages)."""
+    if table.num_rows == 0:
+        raise UserError(f"{where} has no rows: an empty dataset cannot train; point at a file with data")
+    columns = set(table.column_names)
+    if kind is None:
+        if "messages" in columns and "prompt" not in columns:
+            kind = "sft"
+        elif "prompt" in columns:
+            kind = "rl"
+        else:
+            raise UserError(f"{where} has neither a `prompt` column (RL) nor a `messages` column (SFT); "
+                            f"columns: {', '.join(sorted(columns))}: rename the chat column")
+    if kind not in KINDS:
+        raise UserError(f"unknown kind {kind!r}: use rl or sft")
+    needed = "prompt" if kind == "rl" else "messages"
+    if needed not in columns:
+        raise UserError(f"{where} has no `{needed}` column, which {kind.upper()} data needs; columns: "
+                        f"{', '.join(sorted(columns))}: rename your chat column to `{needed}`")
+    notes: list[str] = []
+    if kind == "rl":
+        _check_rl(table, where, notes)
+    else:
+        _check_sft(table, where)
+    return CheckReport(Path(where), kind, table.num_rows, notes)
+
+
+def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
+    """Check that verl 0.9.1 will accept `path` as RL (`kind="rl"`) or SFT (`"sft"`) data.
+
+    `kind=None` infers it from the columns (`messages` -> sft, `prompt` -> rl). Raises UserError with
+    one actionable line on the first problem: missing or unreadable file, no rows, a chat column that
+    is a plain string / not a list of {role, content} / empty / has an unknown role or null content,
+    RL rows without `data_source` or `reward_model.ground_truth`, SFT rows without an assistant turn.
+    Returns a CheckReport; its `notes` hold soft findings, e.g. an RL data_source that verl's default
+    scorer does not route (a custom reward function must then be configured).
+    """
+    path = Path(path)
+    return check_table(_read_table(path), kind, str(path))
+
+
+def _chat_from_string(text: str | None) -> list[dict] | None:
+    """A string prompt as a chat list: a JSON-encoded chat list is decoded, plain text becomes one user
+    message (decoding first so an already-serialized chat is not wrapped as text)."""
+    if text is None:
+        return None
+    stripped = text.strip()
+    if stripped.startswith("["):
+        with contextlib.suppress(ValueError):
+            decoded = json.loads(stripped)
+            if isinstance(decoded, list) and decoded and all(
+                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in decoded):
+                return [{"role": str(m["role"]), "content": m["content"]} for m in decoded]
+    return [{"role": "user", "content": text}]
+
+
+def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
+    """Schema metadata after `column` changed from text to a chat list. pandas and `datasets` trust the
+    types they recorded there over the data (pandas then fails to read the file), so update pandas'
+    entry and drop `datasets`' feature list, which it re-infers from the arrow schema."""
+    if not metadata:
+        return metadata
+    metadata = dict(metadata)
+    metadata.pop(b"huggingface", None)
+    if b"pandas" in metadata:
+        pandas_meta = json.loads(metadata[b"pandas"])
+        for entry in pandas_meta.get("columns", []):
+            if entry.get("name") == column:
+                entry.update(pandas_type="list[object]", numpy_type="object")
+        metadata[b"pandas"] = json.dumps(pandas_meta).encode()
+    return metadata
+
+
+def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> tuple[CheckReport, int]:
+    """Write a copy of RL file `path` to `out` with every plain-string `prompt` turned into a chat list
+    (`[{"role": "user", "content": text}]`). The result is checked before it is written (atomically);
+    on any problem nothing is written. Returns (report of the new file, number of prompts rewritten)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, out = Path(path), Path(out)
+    if out.resolve() == path.resolve():
+        raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
+    if out.exists() and not env_flag("FORCE"):
+        raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
+    table = _read_table(path)
+    if kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
+        raise UserError(f"--fix rewrites string RL prompts; {path} is SFT data: SFT `messages` must already be "
+                        "a conversation list")
+    rewritten = 0
+    if "prompt" in table.column_names:
+        prompt = table.column("prompt")
+        if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
+            chats = [_chat_from_string(text) for text in prompt.to_pylist()]
+            rewritten = sum(chat is not None for chat in chats)
+            message = pa.struct([("role", pa.string()), ("content", pa.string())])
+            index = table.column_names.index("prompt")
+            table = table.set_column(index, pa.field("prompt", pa.list_(message)),
+                                     pa.array(chats, type=pa.list_(message)))
+            table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
+    report = check_table(table, "rl", str(out))
+    with atomic_path(out) as tmp:
+        pq.write_table(table, tmp)
+    return report, rewritten
+
+
+# --- GSM8K ---------------------------------------------------------------------------------------------
+@functools.cache
+def verl_gsm8k_scorer() -> Callable[[str, str], float] | None:
+    """verl's own `verl.utils.reward_score.gsm8k.compute_score` (what GRPO rewards with), or None
+    without verl. Loaded from its file alone: importing the verl package pulls in torch and Ray
+    (~10 s of CPU) and this scorer is one self-contained regex module."""
+    loaded = sys.modules.get("verl.utils.reward_score.gsm8k")
+    if loaded is not None:
+        return loaded.compute_score
+    path = _verl_file("utils/reward_score/gsm8k.py")
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("_verl_gsm8k_scorer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compute_score
+
+
+def _source_files(directory: Path, split: str) -> list[Path]:
+    """The file(s) holding `split` in a GSM8K_SOURCE directory; one form only, to avoid guessing."""
+    forms = [[directory / f"{split}.jsonl"], [directory / f"{split}.jsonl.gz"], [directory / f"{split}.parquet"],
+             # a local copy of the Hugging Face dataset repository (openai/gsm8k) keeps shards in main/
+             sorted(directory.glob(f"{split}-*.parquet")), sorted(directory.glob(f"main/{split}-*.parquet"))]
+    found = [paths for paths in forms if paths and all(p.is_file() for p in paths)]
+    if not found:
+        raise UserError(f"{directory} has no {split}.jsonl, {split}.jsonl.gz or {split}.parquet: put GSM8K's "
+                        f"{split} split there (columns question, answer), or unset GSM8K_SOURCE for the bundled copy")
+    if len(found) > 1:
+        names = ", ".join(p.name for paths in found for p in paths[:1])
+        raise UserError(f"{directory} holds {split} in several forms ({names}): keep one")
+    return found[0]
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    rows = []
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path} line {number} is not valid JSON ({exc.msg}): fix or remove that "
+                                    "line (one JSON object per line)") from None
+                rows.append((f"{path} line {number}", row))
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} cannot be read ({type(exc).__name__}: {exc}): replace it with an intact "
+                        "copy") from None
+    return rows
+
+
+def _read_parquet_rows(paths: Iterable[Path]) -> list[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for path in paths:
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"{path} is not a readable parquet file ({reason}): replace it with an intact "
+                            "copy") from None
+        missing = {"question", "answer"} - set(table.column_names)
+        if missing:
+            raise UserError(f"{path} lacks column(s) {', '.join(sorted(missing))}: GSM8K needs `question` and "
+                            "`answer`")
+        for number, row in enumerate(table.select(["question", "answer"]).to_pylist()):
+            rows.append((f"{path} row {number}", row))
+    return rows
+
+
+def _read_source(source: str | None) -> tuple[str, dict[str, list[tuple[str, dict]]]]:
+    """(description, {split: [(where, {question, answer})]}) from GSM8K_SOURCE."""
+    if source == "hf":
+        try:
+            import datasets
+
+            loaded = datasets.load_dataset("openai/gsm8k", "main")
+            return "openai/gsm8k (Hugging Face hub)", {
+                split: [(f"openai/gsm8k {split} row {i}", row) for i, row in enumerate(loaded[split].to_list())]
+                for split in SPLITS}
+        except Exception as exc:  # network, auth, cache: all mean the same thing to the user
+            reason = (str(exc).splitlines() or [""])[0][:120]
+            raise UserError(f"could not load openai/gsm8k from the Hugging Face hub ({type(exc).__name__}: {reason}): "
+                            "offline, unset GSM8K_SOURCE to use the bundled copy or point it at a directory "
+                            "with train.jsonl/test.jsonl") from None
+    directory = Path(source) if source else BUNDLED_GSM8K
+    if not directory.exists():
+        raise UserError(f"GSM8K_SOURCE={source} does not exist: point it at a directory with train.jsonl and "
+                        "test.jsonl (or .jsonl.gz/.parquet), set it to hf, or unset it for the bundled copy")
+    if not directory.is_dir():
+        raise UserError(f"GSM8K_SOURCE={source} is a file: point it at the directory that holds train and test")
+    splits = {}
+    for split in SPLITS:
+        files = _source_files(directory, split)
+        rows = _read_parquet_rows(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])
+        if not rows:
+            raise UserError(f"{files[0]} has no rows: an empty {split} split cannot be prepared; use a "
+                            "complete copy of GSM8K")
+        splits[split] = rows
+    return ("bundled copy " if not source else "") + str(directory), splits
+
+
+def gsm8k_ground_truth(answer: str) -> str | None:
+    """The number after the last '####' of a GSM8K answer, commas removed; None if there is none."""
+    if "####" not in answer:
+        return None
+    truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return truth if _NUMBER.fullmatch(truth) else None
+
+
+def _convert(split: str, index: int, where: str, row: dict, scorer) -> tuple[dict, dict]:
+    """One GSM8K row -> (RL row, SFT row)."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where} is not a JSON object: each line needs {{\"question\": ..., \"answer\": ...}}")
+    question, answer = row.get("question"), row.get("answer")
+    for name, value in (("question", question), ("answer", answer)):
+        if not isinstance(value, str) or not value.strip():
+            raise UserError(f"{where} has no text `{name}`: fix or remove that row")
+    truth = gsm8k_ground_truth(answer)
+    if truth is None:
+        raise UserError(f"{where}: the answer does not end with '#### <number>': fix or remove that row "
+                        f"(answer ends {answer[-40:]!r})")
+    if scorer is not None and scorer(answer, truth) != 1.0:
+        raise UserError(f"{where}: verl's gsm8k scorer gives the reference answer 0 against its own ground "
+                        f"truth {truth!r} (it needs '#### <number>' with one space, near the end): fix that row")
+    user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
+    extra = {"split": split, "index": index, "answer": answer, "question": question}
+    rl = {"data_source": GSM8K_DATA_SOURCE, "prompt": [user], "ability": "math",
+          "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": extra}
+    sft = {"messages": [user, {"role": "assistant", "content": answer}], "extra_info": extra}
+    return rl, sft
+
+
+def _schemas():
+    import pyarrow as pa
+
+    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                       ("question", pa.string())])
+    rl = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
+                    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                    ("extra_info", extra)])
+    sft = pa.schema([("messages", message), ("extra_info", extra)])
+    return rl, sft
+
+
+def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
+    """Self-check of prep: the RL and SFT files hold the same rows in the same order."""
+    import pyarrow.parquet as pq
+
+    rl = pq.read_table(rl_path).to_pylist()
+    sft = pq.read_table(sft_path).to_pylist()
+    if not len(rl) == len(sft) == expected_rows:
+        raise RuntimeError(f"prep wrote {len(rl)} RL / {len(sft)} SFT rows, expected {expected_rows}")
+    for i, (a, b) in enumerate(zip(rl, sft)):
+        if (b["messages"][:1] != a["prompt"] or b["messages"][1]["content"] != a["extra_info"]["answer"]
+                or b["extra_info"] != a["extra_info"] or a["extra_info"]["index"] != i):
+            raise RuntimeError(f"prep self-check: RL and SFT rows differ at row {i}")
+
+
+def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict[str, Path]:
+    """Prepare GSM8K for verl 0.9.1 and return {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train",
+    "gsm8k_sft/test"}.
+
+    `source`: None (the copy bundled in the repo), a directory with train/test as .jsonl, .jsonl.gz or
+    .parquet (columns question, answer), or "hf" (openai/gsm8k through `datasets`). Writes
+    `<data_dir>/gsm8k/{split}.parquet` (RL schema) and `<data_dir>/gsm8k_sft/{split}.parquet` (multi-turn
+    `messages`). Every input row is validated, and verl's own gsm8k scorer must give its reference answer
+    1.0, before anything is written; the written files are checked with `check_parquet` and against each
+    other, and only then renamed into place, all four together. On any failure nothing is left behind.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    described, splits = _read_source(source)
+    scorer = verl_gsm8k_scorer()
+    if scorer is None:
+        warn("verl is not installed: the reference answers were not scored with verl's gsm8k scorer")
+    converted: dict[str, tuple[list[dict], list[dict]]] = {}
+    total = sum(len(rows) for rows in splits.values())
+    # disable=None: a bar on a terminal, nothing in logs (so a failure stays one line there)
+    with tqdm(total=total, desc="gsm8k", unit="row", disable=None) as bar:
+        for split, rows in splits.items():
+            rl_rows, sft_rows = [], []
+            for index, (where, row) in enumerate(rows):
+                rl, sft = _convert(split, index, where, row, scorer)
+                rl_rows.append(rl)
+                sft_rows.append(sft)
+                bar.update()
+            converted[split] = (rl_rows, sft_rows)
+
+    data_dir = Path(data_dir)
+    rl_schema, sft_schema = _schemas()
+    outputs = {f"{name}/{split}": data_dir / name / f"{split}.parquet"
+               for name in ("gsm8k", "gsm8k_sft") for split in SPLITS}
+    new_dirs = [d for d in (data_dir, data_dir / "gsm8k", data_dir / "gsm8k_sft") if not d.exists()]
+    try:
+        with contextlib.ExitStack() as stack:
+            for split, (rl_rows, sft_rows) in converted.items():
+                rl_tmp = stack.enter_context(atomic_path(outputs[f"gsm8k/{split}"]))
+                sft_tmp = stack.enter_context(atomic_path(outputs[f"gsm8k_sft/{split}"]))
+                pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
+                pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
+                for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
+                    report = check_parquet(tmp, kind)
+                    if report.notes or report.rows != len(rl_rows):
+                        raise RuntimeError(f"prep self-check of {split} {kind}: {report.rows} rows, {report.notes}")
+                _check_agreement(rl_tmp, sft_tmp, len(rl_rows))
+    except BaseException:
+        for directory in reversed(new_dirs):  # leave DATA_DIR as it was: drop directories made for this run
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    say(f"GSM8K from {described}" + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
+    for name, path in outputs.items():
+        split = name.split("/")[1]
+        kind = "RL prompt" if name.startswith("gsm8k/") else "SFT messages"
+        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
+    return outputs
+
+
+# --- CLI -----------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one `error:` line like every other failure."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}: see `{self.prog} --help`")
+
+
+def main(command: str, argv: list[str]) -> int:
+    if command == "prep":
+        parser = _Parser(prog="python -m app prep", description="Prepare a dataset for verl (GSM8K).")
+        parser.add_argument("dataset", choices=["gsm8k"])
+        parser.add_argument("--source", default=env("GSM8K_SOURCE"),
+                            help="directory with train/test .jsonl[.gz]/.parquet, or hf (default: GSM8K_SOURCE, "
+                                 "else the bundled copy)")
+        parser.add_argument("--data-dir", default=env("DATA_DIR", "data"), help="output root (default: DATA_DIR or data)")
+        args = parser.parse_args(argv)
+        prep_gsm8k(args.source, args.data_dir)
+        return 0
+
+    parser = _Parser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")
+    parser.add_argument("action", choices=["check"])
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--kind", choices=KINDS, help="rl or sft (default: from the columns)")
+    parser.add_argument("--fix", type=Path, metavar="OUT",
+                        help="write a copy with plain-string prompts turned into chat lists to OUT")
+    args = parser.parse_args(argv)
+    if args.fix is not None:
+        report, rewritten = fix_parquet(args.file, args.fix, args.kind)
+        say(f"wrote {args.fix} ({report.rows} rows, {rewritten} string prompts rewritten as chat lists)")
+    else:
+        report = check_parquet(args.file, args.kind)
+    say(report.summary())
+    for note in report.notes:
+        warn(note)
+    return 0
