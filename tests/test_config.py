@@ -1,0 +1,254 @@
+"""Preflight (`python -m app check sft|grpo`) and the shipped profiles, on real files and real Hydra/verl.
+
+Most rejections are checked in-process (one Hydra composition each, no interpreter start); a few go
+through the real CLI to prove the one-line error contract.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app import config as cfgmod
+from app.common import UserError
+from conftest import REPO, assert_one_line_error, run_app
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from stack_files import write_data_dir, write_sft  # noqa: E402
+
+LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
+               "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
+               "CUDA_VISIBLE_DEVICES", "VLLM_ATTENTION_BACKEND", "DATA_DIR", "MODEL_PATH")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_data_dir(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def launch_env(monkeypatch, tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
+    """A clean launch environment: tiny model, small real parquet, a run dir of this test."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    values = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data_dir), "CKPT_DIR": str(tmp_path / "run")}
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    return values
+
+
+def rejects(job: str, monkeypatch, match: str, **env: str) -> str:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=match) as caught:
+        cfgmod.preflight(job)
+    return str(caught.value)
+
+
+# --- the shipped profiles ----------------------------------------------------------------------------
+def test_shipped_profiles_pass_preflight_and_verls_validate_config(launch_env):
+    for job in ("sft", "grpo"):
+        result = run_app("check", job, env=launch_env)
+        assert result.returncode == 0, result.stderr
+        assert f"preflight {job}: passed" in result.stdout
+        assert "Traceback" not in result.stderr
+    assert "verl's validate_config: passed" in result.stdout
+
+
+def test_profiles_set_safe_values_where_verls_defaults_bite(launch_env):
+    sft = cfgmod.preflight("sft").config
+    assert sft.optim.lr <= 1e-4 and "wandb" not in sft.trainer.logger and "swanlab" in sft.trainer.logger
+    grpo = cfgmod.preflight("grpo").config
+    rollout = grpo.actor_rollout_ref.rollout
+    assert grpo.trainer.save_freq > 0 and "wandb" not in grpo.trainer.logger
+    assert rollout.name == "vllm" and rollout.n >= 2 and rollout.tensor_model_parallel_size == 1
+    assert rollout.engine_kwargs.vllm.attention_backend == "FLASH_ATTN"
+    assert grpo.algorithm.adv_estimator == "grpo" and grpo.actor_rollout_ref.actor.use_kl_loss
+    for cfg in (sft, grpo):
+        assert Path(cfg.trainer.default_local_dir).is_absolute()
+        assert Path(cfg.data.train_files) == Path(launch_env["DATA_DIR"]).resolve() / (
+            "gsm8k_sft" if cfg is sft else "gsm8k") / "train.parquet"
+
+
+def test_verls_own_entry_points_compose_the_config_preflight_checked(launch_env, tmp_path):
+    """verl's trainers, given launch's exact arguments, print (`--cfg job`) the config preflight checked."""
+    for job in ("sft", "grpo"):
+        plan = cfgmod.preflight(job)
+        out = subprocess.run(
+            [sys.executable, "-m", cfgmod.ENTRY_POINT[job], "--config-dir", str(cfgmod.CONFIG_DIR),
+             "--config-name", job, *plan.overrides, "--cfg", "job"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        from omegaconf import OmegaConf
+
+        ours = OmegaConf.to_container(plan.config)
+        lines = out.stdout.splitlines()
+        start = next(i for i, line in enumerate(lines) if not line.startswith(" ") and line.split(":")[0] in ours)
+        theirs = yaml.safe_load("\n".join(lines[start:]))
+        assert theirs == json.loads(json.dumps(ours)), job
+
+
+def test_misspelt_key_in_args_fails_as_hydra_fails_in_verl(launch_env, monkeypatch):
+    message = rejects("sft", monkeypatch, "does not compose", ARGS="optim.lrr=1e-5")
+    assert "optim.lrr" in message
+
+
+def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_path):
+    # Hydra would merge it silently (and keep verl's lr=1e-3): preflight compares with verl's config
+    configs = tmp_path / "configs"
+    shutil.copytree(cfgmod.CONFIG_DIR, configs)
+    text = (configs / "sft.yaml").read_text().replace("  lr: 1e-5", "  lrr: 1e-5")
+    (configs / "sft.yaml").write_text(text)
+    monkeypatch.setattr(cfgmod, "CONFIG_DIR", configs)
+    message = rejects("sft", monkeypatch, "optim.lrr")
+    assert "does not have" in message
+
+
+def test_args_are_appended_last_and_win(launch_env, monkeypatch):
+    monkeypatch.setenv("ARGS", "optim.lr=3e-6 model.override_config.attn_implementation=eager")
+    plan = cfgmod.preflight("sft")
+    assert plan.config.optim.lr == 3e-6
+    assert plan.config.model.override_config.attn_implementation == "eager"
+    assert plan.overrides[-2:] == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
+
+
+def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here: the profile's flash_attention_2 stands")
+    for job in ("sft", "grpo"):
+        plan = cfgmod.preflight(job)
+        model = plan.config.model if job == "sft" else plan.config.actor_rollout_ref.model
+        assert model.override_config.attn_implementation == "sdpa"
+        assert any("flash-attn is not installed" in w for w in plan.warnings)
+
+
+def test_paths_with_spaces_survive_hydra_quoting(launch_env, monkeypatch, tmp_path):
+    odd = write_sft(tmp_path / "my data, v2" / "train.parquet")
+    monkeypatch.setenv("TRAIN_FILE", str(odd))
+    assert cfgmod.preflight("sft").config.data.train_files == str(odd)
+
+
+# --- one rejection each ------------------------------------------------------------------------------
+def test_rejects_node_rank_outside_nnodes_through_the_cli(launch_env):
+    line = assert_one_line_error(run_app("check", "sft", env={**launch_env, "NNODES": "2", "NODE_RANK": "2",
+                                                               "MASTER_ADDR": "10.0.0.1"}))
+    assert "NODE_RANK=2" in line and "[0, NNODES=2)" in line
+
+
+def test_rejects_multi_node_sft_without_master_addr(launch_env, monkeypatch):
+    rejects("sft", monkeypatch, "needs MASTER_ADDR", NNODES="2", NODE_RANK="1")
+
+
+def test_rejects_multi_node_grpo_without_head_ip(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, "needs HEAD_IP", NNODES="2")
+
+
+def test_rejects_gpus_per_node_that_differs_from_the_visible_gpus(launch_env, monkeypatch):
+    message = rejects("sft", monkeypatch, "sees 2 GPU", CUDA_VISIBLE_DEVICES="0,1", GPUS_PER_NODE="4")
+    assert "GPUS_PER_NODE=2" in message
+
+
+def test_cannot_count_gpus_is_a_warning_not_a_failure(launch_env):
+    gpus, _ = cfgmod.count_gpus()
+    if gpus is not None:
+        pytest.skip("this machine can count its GPUs")
+    plan = cfgmod.preflight("sft")
+    assert any("cannot count GPUs here" in w for w in plan.warnings)
+
+
+def test_rejects_rollout_tp_not_dividing_gpus_per_node(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, "tensor_model_parallel_size=2 does not divide GPUS_PER_NODE=3",
+            GPUS_PER_NODE="3", ARGS="actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+
+
+def test_rejects_grpo_with_one_sample_per_prompt(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, "at least 2 samples", ARGS="actor_rollout_ref.rollout.n=1")
+
+
+def test_rejects_batch_times_n_not_divisible_by_gpus_without_dynamic_batch(launch_env, monkeypatch):
+    args = ("actor_rollout_ref.actor.use_dynamic_bsz=false data.train_batch_size=3 actor_rollout_ref.rollout.n=5 "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    rejects("grpo", monkeypatch, r"3 x 5 = 15 is not divisible by the 2 GPUs", GPUS_PER_NODE="2", ARGS=args)
+    # the same numbers pass the batch check once dynamic batch size is on
+    monkeypatch.setenv("ARGS", args.replace("use_dynamic_bsz=false", "use_dynamic_bsz=true"))
+    cfgmod.preflight("grpo")
+
+
+def test_rejects_token_budget_below_prompt_plus_response(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, r"ppo_max_token_len_per_gpu=1000 is smaller than .* = 1536",
+            ARGS="actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000")
+
+
+def test_rejects_sequence_parallel_without_remove_padding(launch_env, monkeypatch):
+    rejects("sft", monkeypatch, "needs model.use_remove_padding=true",
+            ARGS="engine.ulysses_sequence_parallel_size=2 model.use_remove_padding=false", GPUS_PER_NODE="2")
+
+
+def test_rejects_sequence_parallel_not_dividing_attention_heads(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, "does not divide the model's 4 attention heads", GPUS_PER_NODE="3",
+            ARGS="actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 data.train_batch_size=255")
+
+
+def test_rejects_save_freq_that_saves_nothing(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, r"save_freq=-1 writes no checkpoint", ARGS="trainer.save_freq=-1")
+
+
+def test_rejects_sft_batch_not_divisible_by_gpus(launch_env, monkeypatch):
+    rejects("sft", monkeypatch, "train_batch_size=10 is not divisible by the 4 GPUs",
+            GPUS_PER_NODE="4", ARGS="data.train_batch_size=10")
+
+
+def test_rejects_missing_data_file(launch_env, monkeypatch, tmp_path):
+    rejects("sft", monkeypatch, "does not exist: run `make prep`", TRAIN_FILE=str(tmp_path / "nope.parquet"))
+
+
+def test_rejects_data_in_the_wrong_schema_through_the_data_check(launch_env, monkeypatch, data_dir):
+    # SFT messages handed to GRPO, which needs prompt / data_source / reward_model
+    rejects("grpo", monkeypatch, "no `prompt` column", TRAIN_FILE=str(data_dir / "gsm8k_sft" / "train.parquet"))
+
+
+def test_rejects_model_dir_without_config_or_tokenizer(launch_env, monkeypatch, tmp_path, tiny_model_dir):
+    rejects("sft", monkeypatch, "has no config.json", MODEL_PATH=str(tmp_path))
+    no_tokenizer = tmp_path / "model"
+    no_tokenizer.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", no_tokenizer)
+    rejects("sft", monkeypatch, "has no tokenizer", MODEL_PATH=str(no_tokenizer))
+
+
+def test_rejects_unset_model_path_through_the_cli(launch_env):
+    env = {k: v for k, v in launch_env.items() if k != "MODEL_PATH"}
+    line = assert_one_line_error(run_app("check", "grpo", env={**env, "MODEL_PATH": ""}))
+    assert "MODEL_PATH is not set" in line
+
+
+def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
+    rejects("sft", monkeypatch, "relative path MODEL_PATH=models/tiny", NNODES="2", MASTER_ADDR="10.0.0.1",
+            MODEL_PATH="models/tiny")
+    monkeypatch.setenv("MODEL_PATH", launch_env["MODEL_PATH"])
+    rejects("sft", monkeypatch, "trainer.default_local_dir=ckpt is relative", ARGS="trainer.default_local_dir=ckpt")
+
+
+def test_rejects_the_stale_vllm_attention_backend_variable(launch_env, monkeypatch):
+    rejects("grpo", monkeypatch, "vLLM 0.24 ignores it", VLLM_ATTENTION_BACKEND="XFORMERS")
+
+
+def test_config_command_prints_the_composed_config(launch_env):
+    result = run_app("config", "grpo", env={**launch_env, "ARGS": "trainer.total_epochs=2"})
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["trainer"]["total_epochs"] == 2
+    assert cfg["actor_rollout_ref"]["model"]["path"] == str(Path(launch_env["MODEL_PATH"]).resolve())
+
+
+def test_shipped_profiles_only_use_keys_verl_declares():
+    for job in ("sft", "grpo"):
+        cfgmod.check_profile_keys(job)  # raises on a key verl's packaged config lacks
+    assert (REPO / "configs" / "sft.yaml").is_file()
