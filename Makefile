@@ -14,7 +14,8 @@ PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 # Everything the app reads; exported so each command (and compose's interpolation) sees it.
 export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
        HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
-       TRAIN_FILE VAL_FILE PROJECT EXPERIMENT RUNS_DIR SWANLAB_MODE WAIT_TIMEOUT
+       TRAIN_FILE VAL_FILE PROJECT EXPERIMENT RUNS_DIR SWANLAB_MODE WAIT_TIMEOUT \
+       BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND
 
 # $(call app,SERVICE): the `python -m app` prefix, inside SERVICE's container with RUNTIME=docker.
 app = $(if $(filter docker,$(RUNTIME)),docker compose run --rm $(1) python -m app,$(PYTHON) -m app)
@@ -59,10 +60,10 @@ merge: ## merge STEP (default latest) of CKPT_DIR into a Hugging Face model in O
 eval: ## GSM8K test accuracy: make eval STEP=N or MODEL=path
 	$(call app,merger) eval
 
-report: ## plots + summary of a run: make report RUN=runs/<name>
+report: ## plots + summary of a run: make report RUN=checkpoints/<name>
 	$(call app,merger) report
 
-board: ## serve the local swanlab dashboard of the runs
+board: ## local swanlab dashboard of a run on 127.0.0.1:5092 (RUN, BOARD_HOST, BOARD_PORT)
 	$(call app,merger) board
 
 doctor: ## is this node ready? what to fix, one line each

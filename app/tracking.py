@@ -2,15 +2,49 @@
 
 verl reads SWANLAB_MODE / SWANLAB_LOG_DIR and VERL_FILE_LOGGER_PATH from the environment
 (verl/utils/tracking.py). For GRPO the loggers live in Ray actors, which inherit the environment of
-`ray start`, so launch puts these variables in the environment of `ray start` and of the driver.
+`ray start` (and the job's runtime_env), so launch puts these variables in the environment of
+`ray start` and of the driver, and passes `tracking_overrides(...)` so the per-attempt JSONL path
+reaches the actors of this attempt even when `ray start` ran long before.
+
+Commands:
+  report [RUN]   PNG plots + summary.txt of a run from all its JSONL attempts, under <run>/report/
+  board  [RUN]   serve swanlab's local dashboard of a run (BOARD_HOST/BOARD_PORT, loopback by default)
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import ipaddress
+import json
+import math
+import os
+import re
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import env
+from app.common import UserError, atomic_path, env, env_int, say, warn
+
+# swanlab 0.10's local mode records into swanboard's database; it checks for exactly this version.
+SWANBOARD_VERSION = "0.1.10b2"
+LOG_NAME = re.compile(r"^metrics-(\d{8}T\d{6}Z)(?:-(\d+))?\.jsonl$")
+
+
+def swanboard_problem() -> str | None:
+    """Why swanlab's local mode cannot record here (None when it can)."""
+    if importlib.util.find_spec("swanboard") is None:
+        return "swanboard is not installed"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("swanboard")
+    except PackageNotFoundError:
+        return "swanboard is not installed"
+    if found != SWANBOARD_VERSION:
+        return f"swanboard {found} is installed but swanlab needs {SWANBOARD_VERSION}"
+    return None
 
 
 def tracking_env(run: Path) -> dict[str, str]:
@@ -19,15 +53,335 @@ def tracking_env(run: Path) -> dict[str, str]:
     verl's FileLogger opens its file with "wb" (truncating it on every restart), so each attempt
     writes its own logs/metrics-<UTC time>.jsonl; `report` reads them all in order.
     """
+    run = Path(run)
+    logs = run / "logs"
+    # verl's FileLogger opens VERL_FILE_LOGGER_PATH without creating its directory.
+    logs.mkdir(parents=True, exist_ok=True)
+    (run / "swanlog").mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = logs / f"metrics-{stamp}.jsonl"
+    n = 0
+    while path.exists():  # two attempts in the same second must not share (and truncate) one file
+        n += 1
+        path = logs / f"metrics-{stamp}-{n}.jsonl"
+    mode = env("SWANLAB_MODE", "local")
+    if mode == "local":
+        problem = swanboard_problem()
+        if problem:
+            # Without swanboard, local mode logs an error and records nothing; offline still keeps the run.
+            warn(f"{problem}, so swanlab records offline (no dashboard): "
+                 f"pip install 'swanboard=={SWANBOARD_VERSION}' for `make board`")
+            mode = "offline"
     return {
-        "SWANLAB_MODE": env("SWANLAB_MODE", "local"),
+        "SWANLAB_MODE": mode,
         "SWANLAB_LOG_DIR": str(run / "swanlog"),
-        "VERL_FILE_LOGGER_PATH": str(run / "logs" / f"metrics-{stamp}.jsonl"),
+        "VERL_FILE_LOGGER_PATH": str(path),
     }
 
 
-def main(command: str, argv: list[str]) -> int:
-    from app.common import UserError
+def tracking_overrides(tracking: dict[str, str]) -> list[str]:
+    """Hydra overrides for verl.trainer.main_ppo that put `tracking` into the Ray job's runtime_env.
 
-    raise UserError(f"`{command}` is not implemented yet")
+    Ray actors see the environment of `ray start`, fixed when the node joined; the job's runtime_env
+    is per submission, so this attempt's JSONL path (and the swanlab settings) reach the actors
+    that create verl's loggers, on whichever node they land.
+    """
+    out = []
+    for key, value in tracking.items():
+        quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted}")
+    return out
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that fails as a one-line UserError (the house rule) instead of usage + exit 2."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see `{self.prog} --help`")
+
+
+# --- reading a run's JSONL ------------------------------------------------------------------------
+
+@dataclass
+class Attempt:
+    path: Path
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    bad_lines: int = 0
+
+
+@dataclass
+class RunLog:
+    run: Path
+    attempts: list[Attempt]
+    steps: dict[int, dict[str, float]]  # merged: step -> metric -> value
+
+    @property
+    def bad_lines(self) -> int:
+        return sum(a.bad_lines for a in self.attempts)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        xs, ys = [], []
+        for step in sorted(self.steps):
+            value = self.steps[step].get(key)
+            if value is not None and math.isfinite(value):
+                xs.append(step)
+                ys.append(value)
+        return xs, ys
+
+    def keys(self) -> set[str]:
+        return {k for metrics in self.steps.values() for k in metrics}
+
+
+def log_files(run: Path) -> list[Path]:
+    """The run's JSONL attempts, oldest first (by the UTC time in the name, then its counter)."""
+    def order(path: Path):
+        m = LOG_NAME.match(path.name)
+        if m:
+            return (m.group(1), int(m.group(2) or 0))
+        return (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime)), 0)
+
+    return sorted((run / "logs").glob("metrics-*.jsonl"), key=order)
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def read_attempt(path: Path) -> Attempt:
+    attempt = Attempt(path)
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+                data = record["data"]
+                if not isinstance(data, dict):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                attempt.bad_lines += 1  # e.g. the last line of a run killed mid-write
+                continue
+            # verl logs several lines for one step (SFT: train metrics, then val/loss): merge them.
+            merged = attempt.steps.setdefault(step, {})
+            for key, value in data.items():
+                number = _number(value)
+                if number is not None:
+                    merged[key] = number
+    return attempt
+
+
+def read_run(run: Path) -> RunLog:
+    """All attempts of a run merged in time order.
+
+    A later attempt resumed from a checkpoint at some step: it re-runs every step after it, so the
+    earlier attempts' steps past the later one's first step belong to an abandoned trajectory and are
+    dropped; at that first step the later values win key by key.
+    """
+    from tqdm import tqdm
+
+    files = log_files(run)
+    if not files:
+        raise UserError(f"no metrics logs under {run / 'logs'}: pass RUN=<run directory> "
+                        "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k) of a run that has started")
+    attempts = [read_attempt(p) for p in tqdm(files, desc="reading logs", unit="file", disable=len(files) < 5)]
+    steps: dict[int, dict[str, float]] = {}
+    for attempt in attempts:
+        if not attempt.steps:
+            continue
+        first = min(attempt.steps)
+        steps = {s: m for s, m in steps.items() if s <= first}
+        for step, metrics in attempt.steps.items():
+            steps.setdefault(step, {}).update(metrics)
+    if not steps:
+        raise UserError(f"the logs under {run / 'logs'} hold no metrics yet: wait for the first step "
+                        "to finish, then rerun")
+    return RunLog(run, attempts, steps)
+
+
+# --- plots ----------------------------------------------------------------------------------------
+# Metric names as verl 0.9.1 logs them: SFT in verl/trainer/sft_trainer.py (+ workers/engine_workers.py),
+# GRPO in verl/trainer/ppo/metric_utils.py and the trainer (actor/* from workers/utils/losses.py).
+TIMING = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "testing",
+          "save_checkpoint"]
+FIGURES: list[tuple[str, str, list[tuple[str, list[str]]]]] = [
+    ("loss.png", "Loss", [
+        ("loss", ["train/loss", "val/loss"]),
+        ("policy loss", ["actor/pg_loss"]),
+        ("KL loss", ["actor/kl_loss"]),
+        ("entropy", ["actor/entropy"]),
+        ("grad norm", ["train/grad_norm", "actor/grad_norm"]),
+    ]),
+    ("reward.png", "Reward and accuracy", [
+        ("training reward (mean over responses)", ["critic/rewards/mean", "critic/score/mean"]),
+        ("validation", ["val-core/*"]),
+    ]),
+    ("response_length.png", "Response length", [
+        ("response length (tokens)", ["response_length/mean", "response_length/max", "response_length/min"]),
+        ("share cut at max_response_length", ["response_length/clip_ratio"]),
+    ]),
+    ("throughput.png", "Throughput and time", [
+        ("tokens / s / GPU", ["perf/throughput"]),
+        ("seconds per step", ["perf/time_per_step"] + [f"timing_s/{t}" for t in TIMING]),
+        ("tokens per step", ["train/global_tokens", "perf/total_num_tokens"]),
+        ("MFU", ["train/mfu", "perf/mfu/actor"]),
+        ("GPU memory (GB)", ["perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb"]),
+    ]),
+]
+# What summary.txt lists, in this order, when present.
+HEADLINE = ["train/loss", "val/loss", "critic/rewards/mean", "critic/score/mean", "actor/pg_loss",
+            "actor/kl_loss", "actor/entropy", "response_length/mean", "response_length/clip_ratio",
+            "perf/throughput", "perf/time_per_step", "timing_s/gen", "timing_s/update_actor",
+            "train/global_tokens", "train/mfu"]
+
+
+def _expand(keys: list[str], present: set[str]) -> list[str]:
+    out = []
+    for key in keys:
+        if key.endswith("*"):
+            out += sorted(k for k in present if k.startswith(key[:-1]))
+        elif key in present:
+            out.append(key)
+    return out
+
+
+def render(log: RunLog, out: Path) -> list[str]:
+    """Write one PNG per figure that has data into `out`; return the names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display (servers, containers)
+    import matplotlib.pyplot as plt
+
+    present = log.keys()
+    written = []
+    for name, title, panels in FIGURES:
+        filled = [(label, _expand(keys, present)) for label, keys in panels]
+        filled = [(label, keys) for label, keys in filled if keys]
+        if not filled:
+            continue
+        cols = min(2, len(filled))
+        rows = math.ceil(len(filled) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
+        for ax in axes.flat[len(filled):]:
+            ax.set_visible(False)
+        for ax, (label, keys) in zip(axes.flat, filled):
+            for key in keys:
+                xs, ys = log.series(key)
+                sparse = len(xs) < max(2, len(log.steps) // 4)  # validation: a point every test_freq steps
+                ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
+            ax.set_title(label, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{title}: {log.run.name}")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def summary_text(log: RunLog, plots: list[str]) -> str:
+    steps = sorted(log.steps)
+    present = log.keys()
+    kind = "GRPO" if "critic/rewards/mean" in present else "SFT" if "train/loss" in present else "unknown"
+    lines = [f"run: {log.run}", f"kind: {kind} (from the metric names)",
+             f"steps: {steps[0]}..{steps[-1]} ({len(steps)} logged)", f"attempts: {len(log.attempts)}"]
+    for attempt in log.attempts:
+        span = f"steps {min(attempt.steps)}..{max(attempt.steps)}" if attempt.steps else "no steps"
+        lines.append(f"  {attempt.path.name}: {span}" + (f", {attempt.bad_lines} unreadable lines"
+                                                         if attempt.bad_lines else ""))
+    keys = [k for k in HEADLINE + sorted(k for k in present if k.startswith("val-core/"))
+            if k in present and log.series(k)[1]]
+    width = max([len("metric")] + [len(k) for k in keys])
+    lines += ["", f"{'metric':<{width}} {'first':>11} {'last':>11} {'min':>11} {'max':>11}  (step of last)"]
+    for key in keys:
+        xs, ys = log.series(key)
+        lines.append(f"{key:<{width}} {ys[0]:>11.4g} {ys[-1]:>11.4g} {min(ys):>11.4g} {max(ys):>11.4g}  ({xs[-1]})")
+    if "perf/time_per_step" in present:
+        total = sum(log.series("perf/time_per_step")[1])
+        lines.append(f"\ntraining time over the logged steps: {total / 3600:.2f} h")
+    if "train/global_tokens" in present:
+        lines.append(f"\ntokens trained on: {sum(log.series('train/global_tokens')[1]):,.0f}")
+    lines += ["", "plots: " + (", ".join(plots) if plots else "none (no plottable metrics)")]
+    return "\n".join(lines) + "\n"
+
+
+def report(run: Path) -> Path:
+    """Render <run>/report/ (PNGs + summary.txt) atomically and return it."""
+    if not run.is_dir():
+        raise UserError(f"run directory {run} does not exist: pass RUN=<run directory> "
+                        "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k)")
+    log = read_run(run)
+    out = run / "report"
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        plots = render(log, tmp)
+        (tmp / "summary.txt").write_text(summary_text(log, plots), encoding="utf-8")
+    if log.bad_lines:
+        warn(f"skipped {log.bad_lines} unreadable log lines (a run killed mid-write leaves one)")
+    return out
+
+
+# --- board ----------------------------------------------------------------------------------------
+
+def find_swanlog(run: str | None) -> Path:
+    """The swanlog directory to serve: RUN's, else CKPT_DIR's, else the newest under checkpoints/."""
+    if run:
+        candidates = [Path(run) / "swanlog", Path(run)]
+    elif env("CKPT_DIR"):
+        candidates = [Path(env("CKPT_DIR")) / "swanlog"]
+    else:
+        dbs = sorted((Path.cwd() / "checkpoints").glob("*/swanlog/runs.swanlab"), key=lambda p: p.stat().st_mtime)
+        candidates = [db.parent for db in reversed(dbs)]
+        if len(candidates) > 1:
+            say("runs with dashboards: " + ", ".join(c.parent.name for c in candidates)
+                + f"; serving the newest ({candidates[0].parent.name}), choose another with RUN=<run directory>")
+    for candidate in candidates:
+        if (candidate / "runs.swanlab").is_file():
+            return candidate.resolve()
+    where = run or env("CKPT_DIR") or "checkpoints/*"
+    raise UserError(f"no swanlab logs yet under {where}: start a run with SWANLAB_MODE=local "
+                    "(make sft or make grpo-head), or pass RUN=<run directory>")
+
+
+def board(run: str | None, host: str, port: int) -> int:
+    try:
+        ipaddress.IPv4Address(host)  # swanboard accepts IPv4 only, and fails silently otherwise
+    except ValueError:
+        raise UserError(f"BOARD_HOST={host!r} is not an IPv4 address: use 127.0.0.1 (this machine only) "
+                        "or 0.0.0.0 (every interface)") from None
+    if not 1 <= port <= 65535:
+        raise UserError(f"BOARD_PORT={port} is not a port: choose one in 1..65535")
+    logdir = find_swanlog(run)
+    problem = swanboard_problem()
+    if problem:
+        raise UserError(f"{problem}: pip install 'swanboard=={SWANBOARD_VERSION}' (swanlab's dashboard), "
+                        "then rerun make board")
+    say(f"serving the swanlab dashboard of {logdir} on http://{host}:{port} (Ctrl-C stops it; "
+        "if the port is taken swanlab picks another and prints it)")
+    # exec, not a child: Ctrl-C and `kill` reach the server itself, no orphan keeps the port
+    os.execv(sys.executable, [sys.executable, "-m", "swanlab", "watch", str(logdir), "--host", host,
+                              "--port", str(port)])
+
+
+def main(command: str, argv: list[str]) -> int:
+    parser = Parser(prog=f"python -m app {command}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", nargs="?", default=env("RUN"), help="run directory (default: RUN)")
+    if command == "board":
+        parser.add_argument("--host", default=env("BOARD_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=env_int("BOARD_PORT", 5092))
+    args = parser.parse_args(argv)
+    if command == "board":
+        return board(args.run, args.host, args.port)
+    if not args.run:
+        raise UserError("which run? pass RUN=<run directory>, e.g. make report RUN=checkpoints/grpo-gsm8k")
+    out = report(Path(args.run).expanduser().resolve())
+    say(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    say((out / "summary.txt").read_text(encoding="utf-8").rstrip())
+    return 0
