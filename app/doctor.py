@@ -1,0 +1,412 @@
+"""`python -m app doctor` (`make doctor`): is this node ready? One screen, one line per check, and for
+every red line what to do. Runs anywhere, GPUs or not; exits non-zero when any line is red.
+
+Checks: GPUs and driver, /dev/shm, memlock, the interface NCCL and Gloo should use (from the route to
+HEAD_IP, or MASTER_ADDR for SFT), the Ray head on RAY_PORT, free disk for checkpoints, the paths the
+config needs (MODEL_PATH, the data files), and the packages (verl, vLLM, swanboard).
+Settings: the same as sft/grpo (JOB=sft|grpo limits the data check to one job).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import os
+import resource
+import shutil
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.common import UserError, env
+
+GiB = 2**30
+MIN_DRIVER = 580  # the image's CUDA 13.0 needs an R580+ driver
+SIOCGIFADDR = 0x8915  # ioctl: the IPv4 address of an interface (linux/sockios.h)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+    fix: str = ""
+
+
+# --- network helpers (launch may call these too) --------------------------------------------------
+
+def interface_addresses() -> dict[str, list[str]]:
+    """interface name -> its addresses (IPv4 through ioctl, IPv6 from /proc/net/if_inet6).
+
+    The GPU image has no `ip` command: ask the kernel directly.
+    """
+    out: dict[str, list[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                out.setdefault(name, []).append(socket.inet_ntoa(raw[20:24]))
+            except OSError:  # no IPv4 address on this interface
+                out.setdefault(name, [])
+    try:
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6:
+                out.setdefault(fields[5], []).append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except OSError:
+        pass
+    return out
+
+
+def route_interface(host: str) -> tuple[str, str | None]:
+    """(source address, interface) this node uses to reach `host`: what NCCL/Gloo should bind to.
+
+    A UDP connect() sends nothing; it only makes the kernel choose the route and the source address.
+    Raises OSError (unresolvable host, no route).
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, proto=socket.IPPROTO_UDP)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)
+        source = sock.getsockname()[0]
+    source_ip = ipaddress.ip_address(source.split("%")[0])
+    for name, addresses in interface_addresses().items():
+        if any(ipaddress.ip_address(a) == source_ip for a in addresses):
+            return source, name
+    return source, None
+
+
+def ifname_matches(spec: str, name: str, nccl: bool = True) -> bool:
+    """Whether NCCL_SOCKET_IFNAME's syntax (prefixes, `=exact`, `^exclude`, comma lists) selects `name`;
+    nccl=False: GLOO_SOCKET_IFNAME's (exact names, comma list)."""
+    if not nccl:
+        return name in [part.strip() for part in spec.split(",")]
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    hit = any((name == part) if exact else name.startswith(part) for part in spec.split(",") if part)
+    return hit != exclude
+
+
+def is_local_address(host: str) -> bool:
+    try:
+        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(a.is_loopback for a in addresses):
+        return True
+    mine = {ipaddress.ip_address(a) for values in interface_addresses().values() for a in values}
+    return bool(addresses & mine)
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+def check_gpus() -> list[Check]:
+    want = env("GPUS_PER_NODE")
+    smi = shutil.which("nvidia-smi")
+    if not smi and not Path("/proc/driver/nvidia").exists():
+        status = "fail" if want and want != "0" else "warn"
+        return [Check("GPUs", status, "no GPU on this node (no nvidia-smi, no NVIDIA driver loaded)",
+                      "fine for prep, merge, report and a small eval on CPU; for sft/grpo use a GPU node with "
+                      "the NVIDIA driver and nvidia-container-toolkit, and start the container with GPUs "
+                      "(compose `gpus: all`)")]
+    if not smi:
+        return [Check("GPUs", "fail", "the NVIDIA driver is loaded but nvidia-smi is missing",
+                      "start the container with GPUs (compose `gpus: all`, nvidia-container-toolkit installed)")]
+    try:
+        result = subprocess.run([smi, "--query-gpu=index,name,memory.total,driver_version",
+                                 "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return [Check("GPUs", "fail", f"nvidia-smi did not answer ({exc})",
+                      "the driver is stuck or a GPU fell off the bus: check `dmesg`, reset or reboot the node")]
+    if result.returncode != 0:
+        first = (result.stdout + result.stderr).strip().splitlines()[:1]
+        return [Check("GPUs", "fail", f"nvidia-smi failed: {first[0] if first else result.returncode}",
+                      "driver/library mismatch or no device: reboot after a driver update, or reinstall the driver")]
+    rows = [[f.strip() for f in line.split(",")] for line in result.stdout.strip().splitlines() if line.strip()]
+    from app.config import count_gpus
+
+    seen, source = count_gpus()  # honours CUDA_VISIBLE_DEVICES, as launch does
+    names = sorted({r[1] for r in rows})
+    memory = min(int(float(r[2])) for r in rows) if rows else 0
+    driver = rows[0][3] if rows else "?"
+    checks = [Check("GPUs", "ok", f"{seen} visible of {len(rows)}: {', '.join(names)}, {memory // 1024} GiB each")]
+    if want and want.isdigit() and seen is not None and seen < int(want):
+        checks[0] = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {seen} GPU(s) visible ({source})",
+                          f"set GPUS_PER_NODE={seen}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
+    elif seen == 0:
+        checks[0] = Check("GPUs", "fail", f"{len(rows)} GPU(s) present but none visible ({source})",
+                          "unset CUDA_VISIBLE_DEVICES or list the GPUs to use")
+    try:
+        major = int(driver.split(".")[0])
+    except ValueError:
+        major = 0
+    if major < MIN_DRIVER:
+        checks.append(Check("driver", "fail", f"NVIDIA driver {driver}: the image's CUDA 13.0 needs {MIN_DRIVER}+",
+                            f"upgrade the host driver to R{MIN_DRIVER} or newer"))
+    else:
+        checks.append(Check("driver", "ok", f"NVIDIA driver {driver} (CUDA 13.0 needs {MIN_DRIVER}+)"))
+    return checks
+
+
+def check_shm() -> Check:
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return Check("/dev/shm", "fail", "no /dev/shm", "start the container with `ipc: host` or `shm_size: 32g`")
+    size = stat.f_blocks * stat.f_frsize
+    text = f"{size / GiB:.1f} GiB"
+    fix = "compose: `ipc: host` (or `shm_size: 32g`); docker run: --ipc=host or --shm-size=32g"
+    if size < 1 * GiB:
+        return Check("/dev/shm", "fail", f"{text}: NCCL, Ray's object store and the dataloaders need GiBs", fix)
+    if size < 8 * GiB:
+        return Check("/dev/shm", "warn", f"{text}: tight for Ray's object store and vLLM", fix)
+    return Check("/dev/shm", "ok", text)
+
+
+def check_memlock() -> Check:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    infiniband = Path("/sys/class/infiniband")
+    has_ib = infiniband.is_dir() and any(infiniband.iterdir())
+    if soft == resource.RLIM_INFINITY:
+        return Check("memlock", "ok", "unlimited")
+    text = f"{soft // 1024} KiB"
+    fix = "compose: `ulimits: {memlock: -1}`; docker run: --ulimit memlock=-1; bare metal: /etc/security/limits.conf"
+    if has_ib:
+        return Check("memlock", "fail", f"{text} with InfiniBand present: NCCL's RDMA cannot pin its buffers", fix)
+    return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")
+
+
+def check_network() -> list[Check]:
+    target, what = (env("HEAD_IP"), "HEAD_IP") if env("HEAD_IP") else (env("MASTER_ADDR"), "MASTER_ADDR")
+    nnodes = env("NNODES", "1")
+    if not target and nnodes == "1":
+        return [Check("network", "ok", "one node (NNODES=1): no inter-node network to check")]
+    if not target:
+        return [Check("network", "warn", "HEAD_IP (GRPO) / MASTER_ADDR (multi-node SFT) not set: cannot tell "
+                      "which interface NCCL and Gloo should use",
+                      "set HEAD_IP=<the head node's address>, the same on every node (one node alone needs none)")]
+    try:
+        source, name = route_interface(target)
+    except OSError as exc:
+        return [Check("network", "fail", f"no route to {what}={target} ({exc.strerror or exc})",
+                      f"check {what} (an address every node can reach) and this node's network")]
+    checks = []
+    if name is None:
+        checks.append(Check("interface", "warn", f"route to {target} leaves from {source}, on no interface found",
+                            "set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface holding " + source))
+        return checks
+    local = is_local_address(target)
+    if name == "lo" and nnodes != "1":
+        checks.append(Check("interface", "fail", f"{what}={target} is this node's loopback: other nodes "
+                            "cannot reach it", f"set {what} to this node's address on the cluster network"))
+    else:
+        checks.append(Check("interface", "ok", f"route to {what}={target} leaves via {name} ({source})"
+                            + (": this node is the head" if local else "")))
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = os.environ.get(var)
+        if value is None and nnodes == "1":
+            continue  # one node: NCCL talks over NVLink/shared memory, Gloo over loopback
+        if value is None:
+            checks.append(Check(var, "warn", f"not set: {var.split('_')[0]} may pick another interface "
+                                "(docker0, a second NIC) and hang", f"export {var}={name} (in .env on every node)"))
+        elif not ifname_matches(value, name, nccl=var.startswith("NCCL")):
+            checks.append(Check(var, "fail", f"{var}={value} does not select {name}, the interface that "
+                                f"reaches {target}", f"set {var}={name}"))
+        else:
+            checks.append(Check(var, "ok", f"{value} selects {name}"))
+    return checks
+
+
+def check_head() -> Check | None:
+    head = env("HEAD_IP")
+    if not head:
+        return None
+    try:
+        port = int(env("RAY_PORT", "6379"))
+    except ValueError:
+        return Check("Ray head", "fail", f"RAY_PORT={env('RAY_PORT')!r} is not a number", "set RAY_PORT=6379")
+    try:
+        with socket.create_connection((head, port), timeout=3):
+            return Check("Ray head", "ok", f"{head}:{port} answers")
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+    if is_local_address(head):
+        return Check("Ray head", "ok", f"nothing on {head}:{port} yet: this node is the head "
+                     "(normal before `make grpo-head`)")
+    return Check("Ray head", "fail", f"{head}:{port} does not answer ({reason})",
+                 f"start the head first (`make grpo-head` on {head}); if it runs, open TCP {port} and Ray's "
+                 "other ports between the nodes (host networking, no firewall between them)")
+
+
+def model_parameters(model: Path) -> int | None:
+    """Parameter count from the safetensors headers (no weights read)."""
+    total, found = 0, False
+    for path in model.glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in meta["shape"]:
+                    count *= dim
+                total += count
+                found = True
+    return total if found else None
+
+
+def check_disk(run: Path, model: Path | None) -> Check:
+    where = run
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    params = model_parameters(model) if model and model.is_dir() else None
+    if params:
+        # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
+        one = params * 12
+        need = f"one checkpoint of this {params / 1e9:.2f}B model is ~{one / GiB:.1f} GiB, 3 are kept"
+        if free < one:
+            return Check("disk", "fail", f"{free / GiB:.0f} GiB free at {where}: {need}",
+                         "free space, or set CKPT_DIR to a larger disk (the same path on every node)")
+        if free < 3 * one:
+            return Check("disk", "warn", f"{free / GiB:.0f} GiB free at {where}: {need}",
+                         "free space or lower trainer.max_actor_ckpt_to_keep / max_ckpt_to_keep via ARGS")
+        return Check("disk", "ok", f"{free / GiB:.0f} GiB free at {where} ({need})")
+    if free < 20 * GiB:
+        return Check("disk", "fail", f"{free / GiB:.1f} GiB free at {where}: too little for checkpoints",
+                     "free space, or set CKPT_DIR to a larger disk (the same path on every node)")
+    return Check("disk", "ok", f"{free / GiB:.0f} GiB free at {where} (set MODEL_PATH for an estimate)")
+
+
+def check_model(model: Path | None) -> Check:
+    if model is None:
+        return Check("MODEL_PATH", "fail", "not set", "set MODEL_PATH to a local Hugging Face model directory "
+                     "(absolute, the same on every node; no hub downloads on air-gapped nodes)")
+    if not model.is_dir():
+        return Check("MODEL_PATH", "fail", f"{model} does not exist on this node",
+                     "copy the model there (the same absolute path on every node) or fix MODEL_PATH")
+    missing = []
+    if not (model / "config.json").is_file():
+        missing.append("config.json")
+    if not (any(model.glob("*.safetensors")) or any(model.glob("*.bin"))):
+        missing.append("weights (*.safetensors)")
+    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        missing.append("tokenizer")
+    if missing:
+        return Check("MODEL_PATH", "fail", f"{model} lacks {', '.join(missing)}",
+                     "point MODEL_PATH at a complete Hugging Face model directory (config, weights, tokenizer)")
+    return Check("MODEL_PATH", "ok", str(model))
+
+
+def check_data(jobs: list[str]) -> tuple[list[Check], Path, Path | None]:
+    from app.config import read_settings
+
+    checks, run, model = [], Path.cwd() / "checkpoints", None
+    seen: set[Path] = set()
+    for job in jobs:
+        try:
+            s = read_settings(job)
+        except UserError as exc:
+            checks.append(Check("settings", "fail", str(exc).split(": ", 1)[0], str(exc).split(": ", 1)[-1]))
+            continue
+        run, model = s.run_dir, s.model_path
+        for what, path in (("train", s.train_file), ("val", s.val_file)):
+            if path in seen:
+                continue
+            seen.add(path)
+            if path.is_file():
+                checks.append(Check(f"{job} {what} data", "ok", str(path)))
+            else:
+                checks.append(Check(f"{job} {what} data", "fail", f"{path} does not exist on this node",
+                                    "run `make prep` (same DATA_DIR on every node) or set TRAIN_FILE/VAL_FILE"))
+        for name in s.relative:
+            checks.append(Check("paths", "warn", f"{name} is relative: it resolves differently per directory",
+                                "use absolute paths, identical on every node"))
+    return checks, run, model
+
+
+def check_packages(gpu: bool) -> list[Check]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from app.tracking import SWANBOARD_VERSION, swanboard_problem
+
+    def have(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    checks = []
+    verl = have("verl")
+    if verl != "0.9.1":
+        checks.append(Check("verl", "fail", f"verl {verl or 'missing'} (this stack is built on 0.9.1)",
+                            "use the image (make build), or pip install verl==0.9.1"))
+    else:
+        checks.append(Check("verl", "ok", "0.9.1"))
+    vllm = have("vllm")
+    if vllm and not vllm.startswith("0.24."):
+        checks.append(Check("vLLM", "warn", f"{vllm}: verl 0.9.1 is pinned with vLLM 0.24.0",
+                            "use the image (make build), or pip install vllm==0.24.0"))
+    elif vllm:
+        checks.append(Check("vLLM", "ok", vllm))
+    else:
+        checks.append(Check("vLLM", "fail" if gpu else "warn", "not installed: GRPO's rollout needs it; eval "
+                            "falls back to transformers (slow)", "use the GPU image (make build)"))
+    problem = swanboard_problem()
+    if problem:
+        checks.append(Check("swanboard", "warn", f"{problem}: swanlab records offline, no `make board`",
+                            f"pip install 'swanboard=={SWANBOARD_VERSION}' (in the image already)"))
+    else:
+        checks.append(Check("swanboard", "ok", f"{SWANBOARD_VERSION}: swanlab local mode and `make board` work"))
+    return checks
+
+
+def run_checks() -> list[Check]:
+    job = env("JOB")
+    if job and job not in ("sft", "grpo"):
+        raise UserError(f"JOB={job!r}: choose sft or grpo (or leave it unset to check both)")
+    checks = check_gpus()
+    gpu = checks[0].status == "ok"
+    checks += [check_shm(), check_memlock()]
+    checks += check_network()
+    head = check_head()
+    if head:
+        checks.append(head)
+    data, run, model = check_data([job] if job else ["sft", "grpo"])
+    checks.append(check_model(model))
+    checks += data
+    checks.append(check_disk(run, model))
+    checks += check_packages(gpu)
+    return checks
+
+
+STYLE = {"ok": ("OK", "green"), "warn": ("WARN", "yellow"), "fail": ("FAIL", "bold red")}
+
+
+def main(command: str, argv: list[str]) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    if argv:
+        raise UserError(f"doctor takes no arguments (got {' '.join(argv)}): settings come from the environment")
+    console = Console(highlight=False, soft_wrap=True)  # soft_wrap: one check, one line, even in logs
+    console.print(f"[bold]doctor[/] {socket.gethostname()}: is this node ready?")
+    checks = run_checks()
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        label, style = STYLE[c.status]
+        console.print(f"  [{style}]{label:<4}[/]  {c.name:<{width}}  {escape(c.detail)}")
+        if c.fix and c.status != "ok":
+            console.print(f"        {'':<{width}}  [{style}]->[/] {escape(c.fix)}")
+    red = [c for c in checks if c.status == "fail"]
+    warn = [c for c in checks if c.status == "warn"]
+    if red:
+        console.print(f"[bold red]NOT READY[/]: {len(red)} red line(s) above, each with what to do"
+                      + (f"; {len(warn)} warning(s)" if warn else ""))
+        return 1
+    console.print("[green]ready[/]" + (f", with {len(warn)} warning(s) above" if warn else ""))
+    return 0
