@@ -1,0 +1,268 @@
+"""`python -m app eval` (`make eval STEP=N` or `make eval MODEL=path`): GSM8K test accuracy of a merged
+model, scored by verl's own GSM8K scorer (verl.utils.reward_score.gsm8k.compute_score, strict `#### n`:
+the reward GRPO trained on).
+
+Generation is greedy and batched: vLLM when it is importable and a GPU is visible, else transformers
+(on the GPU if any, else CPU: fine for small models and a LIMIT). EVAL_BACKEND=reference answers each
+question with the dataset's own reference solution instead: a check of the data and the scorer that
+loads no model and must score 100%.
+
+Settings: MODEL (a Hugging Face model directory) or STEP (then OUT_DIR, else models/<run>-step<N> as
+`make merge` writes it), DATA_DIR (reads DATA_DIR/gsm8k/test.parquet, the RL file `make prep` writes)
+or --data FILE, LIMIT (first N rows), OUT (default: <model>/eval), EVAL_BACKEND=auto|vllm|hf|reference,
+EVAL_BATCH, MAX_NEW_TOKENS (default 1024), EVAL_TP (vLLM tensor parallel size, default 1).
+Writes OUT/summary.json and OUT/samples.jsonl (question, response, extracted answer, correct), atomically.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+from app.common import UserError, atomic_path, env, env_int, say, warn
+from app.tracking import Parser
+
+BACKENDS = ("auto", "vllm", "hf", "reference")
+
+
+def gsm8k_scorer():
+    """verl's gsm8k module, loaded from its file: importing the verl package pulls in torch and Ray
+    (seconds), and this module is one self-contained regex file."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
+    path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "reward_score" / "gsm8k.py"
+    module_spec = importlib.util.spec_from_file_location("_verl_gsm8k", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+# --- which model, which rows ----------------------------------------------------------------------
+
+def model_for_step(step: str) -> Path:
+    """The directory `make merge STEP=N` wrote: OUT_DIR, else models/<run name>-step<N>."""
+    if not step.isdigit():
+        raise UserError(f"STEP={step!r} is not a step number: set STEP to the merged step (e.g. STEP=100) "
+                        "or MODEL=<model directory>")
+    if env("OUT_DIR"):
+        return Path(env("OUT_DIR")).expanduser().resolve()
+    models = Path.cwd() / "models"
+    names = []
+    try:
+        from app.checkpoints import default_run_dir
+
+        names.append(default_run_dir().name)
+    except UserError:  # no checkpoints on this node (a separate eval box): look at models/ alone
+        pass
+    found = [models / f"{name}-step{step}" for name in names if (models / f"{name}-step{step}").is_dir()]
+    if not found:
+        found = sorted(p for p in models.glob(f"*-step{step}") if p.is_dir())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise UserError(f"no merged model for step {step} under {models}: run `make merge STEP={step}` first, "
+                        "or pass MODEL=<model directory>")
+    raise UserError(f"several merged models for step {step}: {', '.join(p.name for p in found)}: "
+                    "pass MODEL=<one of them>")
+
+
+def check_model_dir(model: Path) -> None:
+    if not model.is_dir():
+        raise UserError(f"model {model} does not exist: pass MODEL=<Hugging Face model directory> or "
+                        "STEP=<merged step>")
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model} has no config.json: MODEL must be a Hugging Face model directory "
+                        "(a merged one: `make merge STEP=N`)")
+
+
+def load_rows(path: Path, limit: int | None) -> list[dict]:
+    """GSM8K rows of verl's RL parquet: prompt (chat list), reward_model.ground_truth, extra_info."""
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise UserError(f"test data {path} does not exist: run `make prep` (DATA_DIR) or pass --data FILE")
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a broken file
+        raise UserError(f"{path} is not a readable parquet file ({exc}): rerun `make prep`") from None
+    missing = [c for c in ("prompt", "reward_model") if c not in table.column_names]
+    if missing:
+        raise UserError(f"{path} lacks column(s) {', '.join(missing)}: it is not verl's RL format; use "
+                        "DATA_DIR/gsm8k/test.parquet from `make prep`, or `python -m app data check` it")
+    if limit is not None:
+        table = table.slice(0, limit)
+    rows = table.to_pylist()
+    if not rows:
+        raise UserError(f"{path} has no rows to evaluate")
+    other = {r.get("data_source") for r in rows} - {"openai/gsm8k", None}
+    if other:
+        warn(f"data_source {', '.join(map(str, sorted(other)))} is not openai/gsm8k: scored with the GSM8K "
+             "scorer all the same")
+    for i, row in enumerate(rows):
+        truth = (row.get("reward_model") or {}).get("ground_truth")
+        if not isinstance(row.get("prompt"), list) or truth in (None, ""):
+            raise UserError(f"{path} row {i}: needs a chat-list `prompt` and reward_model.ground_truth; "
+                            "check it with `python -m app data check`")
+    return rows
+
+
+def question_of(row: dict) -> str:
+    extra = row.get("extra_info") or {}
+    if extra.get("question"):
+        return extra["question"]
+    users = [m["content"] for m in row["prompt"] if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+def chat_prompts(tokenizer, rows: list[dict]) -> list[str]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the model's tokenizer has no chat template: evaluate a chat/instruct model (the "
+                        "merged one carries its base model's template)")
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+
+
+def generate_vllm(model: Path, rows: list[dict], max_new: int) -> list[str]:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model), rows)
+    llm = LLM(model=str(model), tensor_parallel_size=env_int("EVAL_TP", 1), dtype="bfloat16", seed=0,
+              gpu_memory_utilization=0.85)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=True)
+    return [o.outputs[0].text for o in outputs]
+
+
+def generate_hf(model_dir: Path, rows: list[dict], max_new: int, batch: int) -> list[str]:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"  # decoder-only batch generation continues from the right edge
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts = chat_prompts(tokenizer, rows)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device == "cuda"
+                                                 else torch.float32).to(device).eval()
+    # longest first, so padding within a batch stays small and memory peaks early
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    texts: list[str] = [""] * len(prompts)
+    with tqdm(total=len(prompts), desc=f"generating ({device})", unit="q") as bar, torch.inference_mode():
+        for start in range(0, len(order), batch):
+            ids = order[start:start + batch]
+            enc = tokenizer([prompts[i] for i in ids], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, temperature=None, top_p=None,
+                                 top_k=None, pad_token_id=tokenizer.pad_token_id)
+            decoded = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, text in zip(ids, decoded):
+                texts[i] = text
+            bar.update(len(ids))
+    return texts
+
+
+def reference_answers(rows: list[dict]) -> list[str]:
+    out = []
+    for row in rows:
+        answer = (row.get("extra_info") or {}).get("answer")
+        out.append(answer if answer else f"#### {row['reward_model']['ground_truth']}")
+    return out
+
+
+def pick_backend(requested: str) -> str:
+    if requested not in BACKENDS:
+        raise UserError(f"EVAL_BACKEND={requested!r}: choose one of {', '.join(BACKENDS)}")
+    from app.config import count_gpus
+
+    gpus = count_gpus()[0] or 0
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if requested == "vllm" and not (has_vllm and gpus):
+        raise UserError("EVAL_BACKEND=vllm needs vLLM and a visible GPU: run on a GPU node in the image, or "
+                        "set EVAL_BACKEND=hf (transformers)")
+    if requested == "auto":
+        return "vllm" if has_vllm and gpus else "hf"
+    return requested
+
+
+# --- the evaluation -------------------------------------------------------------------------------
+
+def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str, batch: int | None,
+             max_new: int) -> dict:
+    check_model_dir(model)
+    scorer = gsm8k_scorer()
+    rows = load_rows(data, limit)
+    backend = pick_backend(backend)
+    how = "its reference answers" if backend == "reference" else f"{backend} (greedy, up to {max_new} new tokens)"
+    say(f"evaluating {model} on {len(rows)} rows of {data} with {how}")
+    started = time.time()
+    if backend == "vllm":
+        responses = generate_vllm(model, rows, max_new)
+    elif backend == "hf":
+        from app.config import count_gpus
+
+        responses = generate_hf(model, rows, max_new, batch or (32 if count_gpus()[0] else 8))
+    else:
+        responses = reference_answers(rows)
+    seconds = time.time() - started
+    samples = []
+    for i, (row, response) in enumerate(zip(rows, responses)):
+        truth = str(row["reward_model"]["ground_truth"])
+        score = float(scorer.compute_score(response, truth))  # verl's reward for this response
+        samples.append({"index": (row.get("extra_info") or {}).get("index", i), "question": question_of(row),
+                        "ground_truth": truth, "response": response,
+                        "extracted": scorer.extract_solution(response, method="strict"),
+                        "correct": score == 1.0})
+    correct = sum(s["correct"] for s in samples)
+    summary = {
+        "model": str(model), "data": str(data), "rows": len(samples), "limit": limit, "backend": backend,
+        "correct": correct, "accuracy": correct / len(samples),
+        "formatted": sum(s["extracted"] is not None for s in samples) / len(samples),
+        "scorer": "verl.utils.reward_score.gsm8k.compute_score (strict '#### <number>')",
+        "max_new_tokens": max_new, "seconds": round(seconds, 2),  # model load + generation
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        with open(tmp / "samples.jsonl", "w", encoding="utf-8") as handle:
+            for sample in samples:
+                handle.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def main(command: str, argv: list[str]) -> int:
+    parser = Parser(prog="python -m app eval", description=__doc__)
+    parser.add_argument("--model", default=env("MODEL"), help="Hugging Face model directory (MODEL)")
+    parser.add_argument("--step", default=env("STEP"), help="merged step, when no MODEL (STEP)")
+    parser.add_argument("--data", default=None, help="RL parquet (default DATA_DIR/gsm8k/test.parquet)")
+    parser.add_argument("--limit", type=int, default=env_int("LIMIT", 0) or None, help="first N rows (LIMIT)")
+    parser.add_argument("--out", default=env("OUT"), help="output directory (OUT; default <model>/eval)")
+    parser.add_argument("--backend", default=env("EVAL_BACKEND", "auto"), help=f"{'|'.join(BACKENDS)}")
+    parser.add_argument("--batch", type=int, default=env_int("EVAL_BATCH", 0) or None, help="EVAL_BATCH")
+    parser.add_argument("--max-new-tokens", type=int, default=env_int("MAX_NEW_TOKENS", 1024))
+    args = parser.parse_args(argv)
+    if args.model:
+        model = Path(args.model).expanduser().resolve()
+    elif args.step:
+        model = model_for_step(args.step)
+    else:
+        raise UserError("which model? pass MODEL=<model directory> or STEP=<merged step> (make merge STEP=N first)")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"LIMIT={args.limit}: set a positive number of rows, or unset it for all")
+    if args.max_new_tokens < 1:
+        raise UserError(f"MAX_NEW_TOKENS={args.max_new_tokens}: set a positive number")
+    data = Path(args.data) if args.data else Path(env("DATA_DIR", "data")) / "gsm8k" / "test.parquet"
+    out = Path(args.out).expanduser().resolve() if args.out else model / "eval"
+    summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,
+                       args.max_new_tokens)
+    say(f"GSM8K accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
+        f"{summary['formatted']:.0%} gave a '#### n' answer) with {summary['backend']}; "
+        f"details in {out}/summary.json and samples.jsonl")
+    return 0

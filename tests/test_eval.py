@@ -1,0 +1,78 @@
+"""eval: real prep output, the tiny local model generating on CPU, verl's scorer on every answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import assert_one_line_error, run_app
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """DATA_DIR as `make prep` writes it (the bundled GSM8K, RL + SFT parquet)."""
+    root = tmp_path_factory.mktemp("data")
+    result = run_app("prep", "gsm8k", env={"DATA_DIR": str(root), "GSM8K_SOURCE": ""})
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def read_eval(out):
+    summary = json.loads((out / "summary.json").read_text())
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return summary, samples
+
+
+def test_tiny_model_generates_on_cpu_and_every_answer_is_scored(tiny_model_dir, data_dir, tmp_path):
+    out = tmp_path / "eval"
+    result = run_app("eval", env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(data_dir), "LIMIT": "3",
+                                  "MAX_NEW_TOKENS": "12", "OUT": str(out), "EVAL_BACKEND": ""}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary, samples = read_eval(out)
+    assert summary["backend"] == "hf" and summary["rows"] == 3 == len(samples)
+    questions = pq.read_table(data_dir / "gsm8k" / "test.parquet").slice(0, 3).to_pylist()
+    assert [s["question"] for s in samples] == [q["extra_info"]["question"] for q in questions]
+    assert [s["ground_truth"] for s in samples] == [q["reward_model"]["ground_truth"] for q in questions]
+    assert all(s["response"] for s in samples), "the model generated nothing"
+    for s in samples:  # the scorer's verdict agrees with its own extraction
+        assert s["correct"] == (s["extracted"] == s["ground_truth"])
+    assert summary["correct"] == sum(s["correct"] for s in samples)
+    assert f"GSM8K accuracy {summary['accuracy']:.2%}" in result.stdout
+
+
+def test_reference_answers_score_full_marks_through_the_same_scorer(tiny_model_dir, data_dir, tmp_path):
+    out = tmp_path / "ref"
+    result = run_app("eval", "--backend", "reference", "--limit", "50", "--out", str(out),
+                     env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr
+    summary, samples = read_eval(out)
+    assert summary["accuracy"] == 1.0 and summary["correct"] == 50
+    assert all(s["extracted"] == s["ground_truth"] and "####" in s["response"] for s in samples)
+
+
+def test_step_finds_the_model_merge_wrote_and_writes_eval_inside_it(tiny_model_dir, data_dir, tmp_path):
+    merged = tmp_path / "models" / "grpo-gsm8k-step40"
+    shutil.copytree(tiny_model_dir, merged)
+    result = run_app("eval", env={"STEP": "40", "JOB": "grpo", "MODEL": "", "OUT_DIR": "", "CKPT_DIR": "",
+                                  "DATA_DIR": str(data_dir), "LIMIT": "5", "EVAL_BACKEND": "reference"},
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary, _ = read_eval(merged / "eval")
+    assert summary["model"] == str(merged) and summary["rows"] == 5
+    assert not [p for p in merged.iterdir() if p.name.startswith(".eval")], "temporary left behind"
+
+
+def test_missing_model_or_step_or_data_are_one_line_errors(tiny_model_dir, data_dir, tmp_path):
+    line = assert_one_line_error(run_app("eval", env={"MODEL": str(tmp_path / "nope"), "STEP": ""}))
+    assert "does not exist" in line
+    line = assert_one_line_error(run_app("eval", env={"MODEL": "", "STEP": "9", "JOB": "sft", "OUT_DIR": "",
+                                                      "CKPT_DIR": ""}, cwd=tmp_path))
+    assert "make merge STEP=9" in line
+    line = assert_one_line_error(run_app("eval", env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(tmp_path)}))
+    assert "make prep" in line
+    sft_file = data_dir / "gsm8k_sft" / "test.parquet"  # the SFT file is not the RL format
+    line = assert_one_line_error(run_app("eval", "--data", str(sft_file), env={"MODEL": str(tiny_model_dir)}))
+    assert "RL format" in line
+    assert_one_line_error(run_app("eval", "--bogus", env={"MODEL": str(tiny_model_dir)}))
