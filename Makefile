@@ -11,17 +11,36 @@ endif
 # RUNTIME=local runs in .venv when there is one, else any interpreter (PYTHON=python3 PYTHONPATH=...).
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
+# .env (see .env.example) counts for RUNTIME=local too, as it does for compose: below the shell
+# environment and `make VAR=...`. Make has no dotenv reader: each KEY=value line becomes `KEY ?= value`.
+ifneq ($(wildcard .env),)
+empty :=
+define newline
+
+
+endef
+dotenv_key = $(firstword $(subst =, ,$(1)))
+dotenv_line = $(if $(and $(findstring =,$(1)),$(filter-out #%,$(1))),$(call dotenv_key,$(1)) ?= $(subst ^, ,$(patsubst $(call dotenv_key,$(1))=%,%,$(1)))$(newline)export $(call dotenv_key,$(1)))
+$(foreach line,$(subst $(newline), ,$(subst $(empty) $(empty),^,$(file < .env))),$(eval $(call dotenv_line,$(line))))
+endif
+
 # Everything the app reads; exported so each command (and compose's interpolation) sees it.
 export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
        HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
        TRAIN_FILE VAL_FILE PROJECT EXPERIMENT RUNS_DIR SWANLAB_MODE WAIT_TIMEOUT \
-       BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND
+       BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND SMOKE_DIR SMOKE_STEPS IMAGE
 
+# With RUNTIME=docker: IB=1 (default where /dev/infiniband exists) picks the GPU services' -ib variant.
+IB ?= $(if $(wildcard /dev/infiniband),1,0)
+service = $(1)$(if $(and $(filter 1,$(IB)),$(filter sft-runner ray-head ray-worker,$(1))),-ib)
+# compose mounts data/ models/ checkpoints/ of this directory at the same absolute path ($(CURDIR)):
+# create them first so that Docker does not create them owned by root.
+compose = mkdir -p data models checkpoints && PWD=$(CURDIR) docker compose
 # $(call app,SERVICE): the `python -m app` prefix, inside SERVICE's container with RUNTIME=docker.
-app = $(if $(filter docker,$(RUNTIME)),docker compose run --rm $(1) python -m app,$(PYTHON) -m app)
+app = $(if $(filter docker,$(RUNTIME)),$(compose) run --rm $(call service,$(1)) python -m app,$(PYTHON) -m app)
 
 .PHONY: help setup test prep data-check check sft grpo-head grpo-worker gather merge eval report \
-        board doctor smoke build tiny-model
+        board doctor smoke build lock tiny-model
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -58,7 +77,7 @@ merge: ## merge STEP (default latest) of CKPT_DIR into a Hugging Face model in O
 	$(call app,merger) merge
 
 eval: ## GSM8K test accuracy: make eval STEP=N or MODEL=path
-	$(call app,merger) eval
+	$(call app,sft-runner) eval
 
 report: ## plots + summary of a run: make report RUN=checkpoints/<name>
 	$(call app,merger) report
@@ -75,5 +94,8 @@ smoke: ## whole pipeline on one GPU with a tiny local model: prep, SFT, merge, g
 tiny-model: ## write a tiny random model + tokenizer: make tiny-model OUT=models/tiny
 	$(call app,merger) tiny-model $(or $(OUT),models/tiny)
 
-build: ## build the pinned image (docker compose build)
-	docker compose build
+build: ## build the pinned image (IMAGE, default verl-stack:0.1.0); every service runs it
+	$(compose) build sft-runner
+
+lock: ## re-resolve docker/*.lock with hashes from docker/requirements.in + pyproject.toml (network)
+	scripts/lock.sh
