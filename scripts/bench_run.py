@@ -1,0 +1,97 @@
+"""Run one training command, time its logged steps, stop it after --steps, print one summary line.
+
+    python scripts/bench_run.py --label stock --steps 4 --log runs/x.log -- torchrun ... verl.trainer.sft_trainer ...
+
+verl's console logger prints `step:N - key:value - ...` once per step, but SFT logs no step time, so
+each line is stamped on arrival here and tokens/s is the step's train/global_tokens over the time
+since the previous step line (step 1, which carries compile and warm-up, is left out of the means).
+The command runs in its own process session and that session is ended after step --steps, so a
+benchmark does not pay for verl's end-of-training checkpoint. The summary is one JSON line starting
+with `BENCH ` (scripts/bench_sft.sh and bench_grpo.sh collect those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
+
+
+def parse_metrics(rest: str) -> dict[str, float]:
+    metrics = {}
+    for part in rest.split(" - "):
+        key, _, value = part.partition(":")
+        try:
+            metrics[key.strip()] = float(value)
+        except ValueError:
+            pass
+    return metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--steps", type=int, default=4, help="stop after this step is logged")
+    parser.add_argument("--log", required=True, help="full output goes here")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--tokens-key", default="train/global_tokens")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+
+    start = time.monotonic()
+    steps: list[tuple[int, float, dict]] = []
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stopped = "exited"
+    with open(args.log, "w", encoding="utf-8") as log:
+        for line in proc.stdout:
+            now = time.monotonic() - start
+            log.write(f"[{now:8.2f}] {line}")
+            match = STEP_LINE.search(line)
+            if match:
+                steps.append((int(match.group(1)), now, parse_metrics(match.group(2))))
+                print(f"[{args.label} {now:7.1f}s] {line.strip()[:400]}", flush=True)
+                if int(match.group(1)) >= args.steps:
+                    stopped = "stopped after the last timed step"
+                    break
+            if now > args.timeout:
+                stopped = "timeout"
+                break
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own session: torchrun and its workers
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    summary: dict = {"label": args.label, "steps": len(steps), "end": stopped, "rc": proc.returncode,
+                     "wall_s": round(time.monotonic() - start, 1)}
+    timed = [(n, t, m, t - steps[i - 1][1]) for i, (n, t, m) in enumerate(steps) if i > 0]
+    if timed:
+        tokens = sum(m.get(args.tokens_key, 0.0) for _, _, m, _ in timed)
+        seconds = sum(dt for *_, dt in timed)
+        summary["step_s"] = round(seconds / len(timed), 2)
+        if tokens:
+            summary["tokens_per_s"] = round(tokens / seconds, 1)
+        for key in ("train/mfu", "perf/mfu/actor", "perf/throughput", "timing_s/gen", "timing_s/old_log_prob",
+                    "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/max_memory_allocated_gb"):
+            values = [m[key] for _, _, m, _ in timed if key in m]
+            if values:
+                summary[key] = round(sum(values) / len(values), 4)
+    if steps:
+        summary["loss"] = [round(m["train/loss"], 4) for _, _, m, in steps if "train/loss" in m]
+        summary["first_step_s"] = round(steps[0][1], 1)
+    print("BENCH " + json.dumps(summary), flush=True)
+    return 0 if len(steps) >= min(args.steps, 2) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# SFT throughput, side by side in one run: verl 0.9.1's stock settings against our profile (`make sft`)
+# and any candidate settings, same model shape, same data, same GPU. Prints one BENCH line per config
+# and the ratio of each to `stock`.
+#
+#   scripts/bench_sft.sh [CONFIG...]        (default: stock profile)
+#
+# CONFIG is one of the names in the `case` below. Settings (environment):
+#   BENCH_DIR   where the model, data and logs go (default runs/bench-sft; git-ignored)
+#   PRESET      model shape from app/tiny.py (default qwen2.5-1.5b, random weights)
+#   SEQ_TOKENS  tokens per sample (default 2104)     BATCH  global batch in samples (default 32)
+#   STEPS       steps per config; step 1 (compile, warm-up) is not timed (default 4)
+#   NGPU        GPUs on this node (default 1)        PYTHON interpreter (default python3)
+# verl's stock global batch is 256; a smaller one changes only how often the optimizer steps, and keeps
+# each config to about a minute. tokens/s is measured here from the time between verl's step lines
+# (scripts/bench_run.py); train/mfu is verl's own counter (989 TFLOP/s peak for H100/H200).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+BENCH_DIR=$(mkdir -p "${BENCH_DIR:-runs/bench-sft}" && cd "${BENCH_DIR:-runs/bench-sft}" && pwd)
+PRESET=${PRESET:-qwen2.5-1.5b}; SEQ_TOKENS=${SEQ_TOKENS:-2104}; BATCH=${BATCH:-32}; STEPS=${STEPS:-4}
+NGPU=${NGPU:-1}
+configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
+
+[ -f "$BENCH_DIR/sft.parquet" ] || $PYTHON scripts/bench_data.py "$BENCH_DIR" --preset "$PRESET" \
+    --tokens "$SEQ_TOKENS" --rows $((BATCH * (STEPS + 1)))
+model="$BENCH_DIR/model"; data="$BENCH_DIR/sft.parquet"
+
+# What every verl-direct config needs to run at all here: our data and model, no wandb, samples longer
+# than verl's max_length default (1024), no resume from an earlier config's directory. sdpa because
+# flash-attn is not installed (the stock default asks for flash_attention_2 and fails without it).
+common=(model.path="$model" data.train_files="$data" data.max_length=$((SEQ_TOKENS * 2))
+        data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console]
+        trainer.resume_mode=disable data.num_workers=2 +model.override_config.attn_implementation=sdpa)
+nogc=(model.enable_gradient_checkpointing=False)
+big=(data.max_token_len_per_gpu=32768)
+
+results=()
+for name in "${configs[@]}"; do
+  extra=()
+  case $name in
+    stock)      ;;                                          # verl's defaults, nothing else changed
+    nogc)       extra=("${nogc[@]}") ;;
+    tok32k)     extra=("${big[@]}") ;;
+    nogc-32k)   extra=("${nogc[@]}" "${big[@]}") ;;
+    flex)       extra=("${nogc[@]}" "${big[@]}" +model.override_config.attn_implementation=flex_attention) ;;
+    fused)      extra=("${nogc[@]}" "${big[@]}" model.use_fused_kernels=True model.fused_kernel_options.impl_backend=triton) ;;
+    nocompile)  extra=("${nogc[@]}" "${big[@]}" engine.use_torch_compile=False) ;;
+    bf16-master) extra=("${nogc[@]}" "${big[@]}" engine.model_dtype=bf16) ;;
+    profile)    ;;
+    *) echo "unknown config $name" >&2; exit 2 ;;
+  esac
+  log="$BENCH_DIR/$name.log"
+  if [ "$name" = profile ]; then
+    # our `make sft`, as a user runs it, with only the benchmark's data/model/length/step count set
+    cmd=(make sft RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" TRAIN_FILE="$data" NNODES=1 NODE_RANK=0
+         GPUS_PER_NODE=$NGPU CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
+         ARGS="data.max_length=$((SEQ_TOKENS * 2)) data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console] trainer.test_freq=-1")
+  else
+    cmd=(torchrun --standalone --nnodes 1 --nproc_per_node "$NGPU" -m verl.trainer.sft_trainer "${common[@]}"
+         trainer.default_local_dir="$BENCH_DIR/ckpt-$name" "${extra[@]}")
+  fi
+  echo "== $name: ${cmd[*]}"
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
+  [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
+  results+=("${line#BENCH }")
+done
+
+echo "== SFT throughput: $PRESET shape, ~$SEQ_TOKENS-token samples, batch $BATCH, $NGPU GPU(s), steps 2..$STEPS timed"
+printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock
