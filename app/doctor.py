@@ -263,6 +263,9 @@ def check_disk(run: Path, model: Path | None) -> Check:
     where = run
     while not where.exists() and where != where.parent:
         where = where.parent
+    if not os.access(where, os.W_OK):
+        return Check("disk", "fail", f"{where} is not writable: checkpoints and logs of {run} cannot be saved",
+                     "fix the mount/permissions, or set CKPT_DIR to a writable path (the same on every node)")
     free = shutil.disk_usage(where).free
     params = model_parameters(model) if model and model.is_dir() else None
     if params:

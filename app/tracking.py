@@ -379,9 +379,17 @@ def main(command: str, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if command == "board":
         return board(args.run, args.host, args.port)
-    if not args.run:
-        raise UserError("which run? pass RUN=<run directory>, e.g. make report RUN=checkpoints/grpo-gsm8k")
-    out = report(Path(args.run).expanduser().resolve())
+    if args.run:
+        run = Path(args.run).expanduser().resolve()
+    else:
+        from app.checkpoints import default_run_dir  # CKPT_DIR, JOB's run, or the one run present
+
+        try:
+            run = default_run_dir()
+        except UserError:
+            raise UserError("which run? pass RUN=<run directory>, e.g. make report RUN=checkpoints/grpo-gsm8k"
+                            ) from None
+    out = report(run)
     say(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
     say((out / "summary.txt").read_text(encoding="utf-8").rstrip())
     return 0

@@ -135,7 +135,8 @@ def test_report_of_an_sft_log_plots_loss_and_tokens_and_skips_reward(runs):
 def test_report_without_logs_is_one_line_error(tmp_path):
     line = assert_one_line_error(run_app("report", env={"RUN": str(tmp_path)}))
     assert "no metrics logs" in line and "RUN=" in line
-    assert_one_line_error(run_app("report", env={"RUN": ""}))
+    line = assert_one_line_error(run_app("report", env={"RUN": "", "CKPT_DIR": "", "JOB": ""}, cwd=tmp_path))
+    assert "which run?" in line
 
 
 @pytest.mark.slow
