@@ -89,7 +89,7 @@ def tracking_overrides(tracking: dict[str, str]) -> list[str]:
     out = []
     for key, value in tracking.items():
         quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted}")
+        out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted}")  # ++: add or replace
     return out
 
 
