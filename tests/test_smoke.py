@@ -119,3 +119,48 @@ def test_generate_check_loads_model_and_rejects_untrained_weights(tiny_model_dir
     assert isinstance(text, str)
     with pytest.raises(UserError, match="equal the initial model"):
         load_and_generate(tiny_model_dir, tiny_model_dir, "What is 2 + 3?", "cpu", max_new_tokens=4)
+
+
+def test_smoke_stages_run_through_the_real_cli_on_cpu_with_a_factory_checkpoint_for_training(tmp_path, monkeypatch):
+    """Every smoke stage but the GPU training, through the real commands with smoke's settings: prep,
+    tiny-model, the SFT launch (DRY_RUN: preflight + plan), merge of a real verl-layout checkpoint written
+    by the test factory in the SFT's place, then the load-and-generate check on the merged model."""
+    import gzip
+    import subprocess
+    import sys
+
+    from app.smoke import check_checkpoint, child_env, first_test_prompt, load_and_generate, plan
+    from app.tiny import BUNDLED_GSM8K, write_tiny_model
+    from conftest import REPO
+
+    source = tmp_path / "gsm8k"
+    source.mkdir()
+    rows = gzip.open(BUNDLED_GSM8K, "rt", encoding="utf-8").read().splitlines()
+    (source / "train.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    (source / "test.jsonl").write_text("\n".join(rows[40:50]) + "\n")
+    monkeypatch.setenv("GSM8K_SOURCE", str(source))
+    monkeypatch.setenv("SMOKE_DIR", str(tmp_path / "smoke"))
+    monkeypatch.setenv("SMOKE_STEPS", "4")
+    p = plan()
+    stages = {stage.name: stage for stage in p.stages}
+
+    def run(stage, **extra):
+        result = subprocess.run(stage.argv, env={**child_env(stage), **extra}, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, f"{stage.name}: {result.stdout[-2000:]}{result.stderr[-2000:]}"
+        return result.stdout
+
+    run(stages["prep"])
+    assert (p.data / "gsm8k_sft" / "train.parquet").is_file()
+    run(stages["tiny-model"])
+    assert (p.model / "config.json").is_file()
+    launch_plan = run(stages["sft"], DRY_RUN="1")
+    assert "verl.trainer.sft_trainer" in launch_plan and "trainer.total_training_steps=4" in launch_plan
+    # The SFT's place: a real world-size-1 verl checkpoint of other ("trained") weights.
+    trained = write_tiny_model(tmp_path / "trained", seed=7)
+    subprocess.run([sys.executable, str(REPO / "tests" / "ckpt_factory.py"), "--model", str(trained),
+                    "--out", str(p.run), "--world-size", "1", "--step", "4"], check=True, timeout=600)
+    check_checkpoint(p.run, 4)
+    run(stages["merge"])
+    text = load_and_generate(p.merged, p.model, first_test_prompt(p.data), "cpu", max_new_tokens=4)
+    assert isinstance(text, str)
