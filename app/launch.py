@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -84,9 +85,14 @@ def prepare_run_dir(plan: cfgmod.Preflight, dry: bool) -> None:
 
 
 def run_process(what: str, command: list[str], extra_env: dict[str, str]) -> int:
-    """Run a long foreground process with our environment; its own output is the progress."""
+    """Run a long foreground process with our environment (its own output is the progress). If we are
+    interrupted (Ctrl-C, SIGTERM), it gets SIGTERM and time to stop its own children first."""
     say(f"$ {shlex.join(command)}")
-    return subprocess.run(command, env={**os.environ, **extra_env}).returncode
+    process = subprocess.Popen(command, env={**os.environ, **extra_env})
+    try:
+        return process.wait()
+    finally:
+        stop_process(process, what)
 
 
 def preflight_and_report(job: str, dry: bool) -> cfgmod.Preflight:
@@ -95,10 +101,26 @@ def preflight_and_report(job: str, dry: bool) -> cfgmod.Preflight:
     return plan
 
 
-def tracking(run: Path) -> dict[str, str]:
+def tracking(run: Path, dry: bool) -> dict[str, str]:
+    """app.tracking's environment for `run`; on a dry run, without leaving the directories it creates."""
     from app.tracking import tracking_env
 
-    return tracking_env(run)
+    if not dry:
+        return tracking_env(run)
+    fresh = [d for d in (run / "logs", run / "swanlog", run) if not d.exists()]
+    try:
+        return tracking_env(run)
+    finally:
+        for directory in fresh:  # children first; only the empty ones this call created
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+
+
+def before_args(plan: cfgmod.Preflight, extra: list[str]) -> list[str]:
+    """plan.overrides with `extra` inserted before the user's ARGS (which keep the last word)."""
+    n = len(plan.settings.args)
+    head, tail = (plan.overrides[:-n], plan.overrides[-n:]) if n else (plan.overrides, [])
+    return [*head, *extra, *tail]
 
 
 def hydra_args(job: str, overrides: list[str]) -> list[str]:
@@ -126,13 +148,12 @@ def launch_sft() -> int:
     dry = env_flag("DRY_RUN")
     plan = preflight_and_report("sft", dry)
     s = plan.settings
-    extra = tracking(s.run_dir)
     command = sft_command(plan)
+    prepare_run_dir(plan, dry)  # FRESH first: the tracking directories belong to the new run
+    extra = tracking(s.run_dir, dry)
     if dry:
-        prepare_run_dir(plan, dry=True)
         print_plan(f"sft on node {s.node_rank} of {s.nnodes}", extra, [("train", command)])
         return 0
-    prepare_run_dir(plan, dry=False)
     if s.multi_node:
         say(f"node {s.node_rank} of {s.nnodes}: waiting at {s.master_addr}:{s.master_port} for the others "
             "(run the same command with their NODE_RANK); this node's shards go to " + str(s.run_dir))
@@ -214,11 +235,12 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
                    head: subprocess.Popen | None = None) -> list[dict]:
     """Block until `nnodes` alive Ray nodes with >= `gpus_per_node` GPUs each are in the cluster.
 
-    Uses Ray's own view (ray.nodes()) through a short-lived driver; progress bar while waiting; on the
-    deadline, a UserError that says how many joined and from which IPs.
+    Uses Ray's own view (ray.nodes()) through a short-lived driver in a fresh interpreter: Ray reads its
+    token settings once per process, and this one may have imported Ray (through verl) before they were
+    set. Progress bar while waiting; on the deadline, a UserError saying how many joined, from which IPs.
     """
-    import ray
-    from tqdm import tqdm
+    import multiprocessing
+    import queue
 
     deadline = time.monotonic() + timeout
     host, port = address.rsplit(":", 1)
@@ -229,28 +251,63 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
         if time.monotonic() > deadline:
             raise UserError(f"the Ray head at {address} did not come up within {timeout:.0f}s: see its output above")
         time.sleep(0.5)
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    child = context.Process(target=_wait_child, daemon=True,
+                            args=(address, nnodes, gpus_per_node, timeout, deadline - time.monotonic(), answers))
+    child.start()
     try:
-        ready: list[dict] = []
+        while True:
+            try:
+                kind, payload = answers.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if head is not None and head.poll() is not None:
+                    raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
+                                    "see its output above") from None
+                if not child.is_alive():
+                    raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
+                                    f"{child.exitcode}): see the output above") from None
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if kind == "error":
+        raise UserError(payload)
+    return payload
+
+
+def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, left: float, answers) -> None:
+    """wait_for_nodes' driver (runs in a spawned interpreter): reports ("ok", nodes) or ("error", line)."""
+    import ray
+    from tqdm import tqdm
+
+    deadline = time.monotonic() + left
+    host, port = address.rsplit(":", 1)
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
+        answers.put(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
+        return
+    try:
         with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node") as bar:
             while True:
                 alive = [n for n in ray.nodes() if n.get("Alive")]
                 ready = [n for n in alive if n["Resources"].get("GPU", 0) >= gpus_per_node]
-                bar.n = min(len(ready), nnodes)
-                bar.set_postfix_str(", ".join(n["NodeManagerAddress"] for n in ready))
-                bar.refresh()
+                if min(len(ready), nnodes) != bar.n:
+                    bar.update(min(len(ready), nnodes) - bar.n)
+                    bar.set_postfix_str(", ".join(n["NodeManagerAddress"] for n in ready))
                 if len(ready) >= nnodes:
-                    return ready
-                if head is not None and head.poll() is not None:
-                    raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
-                                    "see its output above")
+                    answers.put(("ok", [{k: n[k] for k in ("NodeManagerAddress", "Resources")} for n in ready]))
+                    return
                 if time.monotonic() > deadline:
                     short = [n for n in alive if n not in ready]
                     extra = f"; too few GPUs on: {describe_nodes(short)}" if short else ""
-                    raise UserError(
+                    answers.put(("error", (
                         f"only {len(ready)} of {nnodes} nodes joined within {timeout:.0f}s "
                         f"({describe_nodes(ready)}){extra}: run `make grpo-worker HEAD_IP={host}` on the others "
-                        f"(same token, port {port} reachable), check GPUS_PER_NODE, or raise WAIT_TIMEOUT")
+                        f"(same token, port {port} reachable), check GPUS_PER_NODE, or raise WAIT_TIMEOUT")))
+                    return
                 time.sleep(1.0)
     finally:
         ray.shutdown()
@@ -270,31 +327,33 @@ def stop_process(process: subprocess.Popen, what: str, grace: float = 60.0) -> N
         process.wait()
 
 
-def grpo_driver_command(plan: cfgmod.Preflight) -> list[str]:
+def grpo_driver_command(plan: cfgmod.Preflight, extra_overrides: list[str]) -> list[str]:
     module = env("GRPO_TRAINER_MODULE", cfgmod.ENTRY_POINT["grpo"])  # test hook: a tiny stand-in driver
-    return [sys.executable, "-m", module, *hydra_args("grpo", plan.overrides)]
+    return [sys.executable, "-m", module, *hydra_args("grpo", before_args(plan, extra_overrides))]
 
 
 def launch_grpo_head() -> int:
+    from app.tracking import tracking_overrides
+
     dry = env_flag("DRY_RUN")
     plan = preflight_and_report("grpo", dry)
     s = plan.settings
     timeout = env_int("WAIT_TIMEOUT", 600)
-    auth = ray_auth_env(s.run_dir, create=False) if dry else None
-    head_cmd, driver_cmd = head_command(s), grpo_driver_command(plan)
+    prepare_run_dir(plan, dry)  # FRESH first: the token and tracking directories belong to the new run
+    track = tracking(s.run_dir, dry)
+    auth = ray_auth_env(s.run_dir, create=not dry)
+    head_cmd = head_command(s)
+    # this attempt's tracking settings also travel in the job's runtime_env, to actors on every node
+    driver_cmd = grpo_driver_command(plan, tracking_overrides(track))
+    extra = {**track, **auth}
     if dry:
-        prepare_run_dir(plan, dry=True)
-        extra = {**tracking(s.run_dir), **auth, "RAY_ADDRESS": s.ray_address}
-        print_plan(f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))", extra, [
-            ("start the Ray head (stopped again when GRPO ends)", head_cmd),
-            (f"then wait up to {timeout}s for {s.nnodes} node(s) with {s.gpus_per_node} GPU(s) each "
-             "(ray.nodes()), then run GRPO against that cluster", driver_cmd),
-        ])
+        print_plan(f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",
+                   {**extra, "RAY_ADDRESS": s.ray_address}, [
+                       ("start the Ray head (stopped again when GRPO ends)", head_cmd),
+                       (f"then wait up to {timeout}s for {s.nnodes} node(s) with {s.gpus_per_node} GPU(s) each "
+                        "(ray.nodes()), then run GRPO against that cluster", driver_cmd)])
         return 0
-    prepare_run_dir(plan, dry=False)
-    auth = ray_auth_env(s.run_dir, create=True)
-    extra = {**tracking(s.run_dir), **auth}
-    os.environ.update(auth)  # our own wait-driver joins with the same token
+    os.environ.update(auth)  # the wait's driver (a spawned interpreter) joins with the same token
     head: subprocess.Popen | None = None
     if port_open(s.head_ip or "127.0.0.1", s.ray_port):
         say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
@@ -331,7 +390,7 @@ def launch_grpo_worker() -> int:
                         f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
     command = worker_command(s)
     timeout = env_int("WAIT_TIMEOUT", 600)
-    extra = tracking(s.run_dir)
+    extra = tracking(s.run_dir, dry)
     if dry:
         auth = ray_auth_env(s.run_dir, create=False)
         print_plan(f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
@@ -370,7 +429,12 @@ def _worker_auth(s: cfgmod.Settings) -> dict[str, str] | None:
     return ray_auth_env(s.run_dir, create=False) if token_path(s.run_dir).is_file() else None
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # so that `finally` stops what this launch started (SIGTERM from docker/kill)
+
+
 def main(command: str, argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__ or "")
         return 0

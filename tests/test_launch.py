@@ -1,0 +1,213 @@
+"""The launch layer with real processes: torchrun rendezvous over gloo, a Ray head and worker on
+127.0.0.1 / 127.0.0.2, resume and FRESH, DRY_RUN plans. Everything is started through `python -m app`.
+
+Test hooks (app/launch.py): SFT_TRAINER_MODULE / GRPO_TRAINER_MODULE swap verl's entry modules for the
+tiny stand-ins in tests/fixtures (no GPU here); RAY_START_ARGS declares `--num-gpus 1` to Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_app
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+from stack_files import write_data_dir  # noqa: E402
+
+LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
+               "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
+               "VLLM_ATTENTION_BACKEND", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "WAIT_TIMEOUT",
+               "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "DASHBOARD_HOST")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_data_dir(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def base_env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(MODEL_PATH=str(tiny_model_dir), DATA_DIR=str(data_dir), CKPT_DIR=str(tmp_path / "run"),
+               PYTHONPATH=f"{FIXTURES}{os.pathsep}{REPO}")
+    return env
+
+
+def start_app(command: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`python -m app COMMAND` in its own session, output to `log` (so the test can stop all it started)."""
+    handle = log.open("w")
+    return subprocess.Popen([sys.executable, "-m", "app", command], cwd=REPO, env=env, stdout=handle,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_group(process: subprocess.Popen, grace: float = 90) -> None:
+    """SIGTERM to what this test started (the app stops its Ray/torchrun children), SIGKILL as a last resort."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+# --- SFT ---------------------------------------------------------------------------------------------
+def test_sft_dry_run_prints_the_torchrun_line_and_environment_after_preflight(base_env):
+    result = run_app("sft", env={**base_env, "DRY_RUN": "1", "ARGS": "optim.lr=2e-5", "SWANLAB_API_KEY": "s3cret"})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ok: train file:" in out  # preflight ran first
+    assert "-m torch.distributed.run --nnodes 1 --nproc-per-node 1 --standalone -m verl.trainer.sft_trainer" in out
+    assert f"--config-dir {REPO / 'configs'} --config-name sft" in out
+    assert out.rstrip().endswith("optim.lr=2e-5")  # ARGS last
+    assert "export SWANLAB_MODE=local" in out and "export VERL_FILE_LOGGER_PATH=" in out
+    assert "s3cret" not in out and "export SWANLAB_API_KEY='***'" in out
+    assert not Path(base_env["CKPT_DIR"]).exists()  # nothing started, nothing written
+
+
+def test_sft_dry_run_refuses_what_preflight_refuses(base_env):
+    line = assert_one_line_error(run_app("sft", env={**base_env, "DRY_RUN": "1", "NNODES": "2", "NODE_RANK": "1"}))
+    assert "MASTER_ADDR" in line
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_rendezvous_over_gloo_meets_and_finishes(base_env, tmp_path):
+    """Two `make sft` lines, different only in NODE_RANK (and each node's own disk), meet and finish."""
+    port = free_port()
+    nodes = []
+    for rank in (0, 1):
+        env = {**base_env, "NNODES": "2", "NODE_RANK": str(rank), "GPUS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "SFT_TRAINER_MODULE": "cpu_sft_trainer",
+               "CKPT_DIR": str(tmp_path / f"node{rank}" / "run")}
+        nodes.append(start_app("sft", env, tmp_path / f"node{rank}.log"))
+    try:
+        codes = [node.wait(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            stop_group(node, grace=10)
+    logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], logs
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"node{rank}" / "run" / f"rank{rank}.json").read_text())
+        assert seen["world_size"] == 2 and seen["sum"] == 3.0 and seen["node_rank"] == rank
+        assert seen["lr"] == 1e-5 and "wandb" not in seen["logger"]
+        assert seen["file_logger"].startswith(str(tmp_path / f"node{rank}" / "run" / "logs"))
+        assert "SFT finished" in logs[rank]
+    assert not (tmp_path / "node0" / "run" / "rank1.json").exists()  # each node writes its own disk
+
+
+@pytest.mark.slow
+def test_rerun_says_it_resumes_and_fresh_moves_the_old_run_aside(base_env):
+    run = Path(base_env["CKPT_DIR"])
+    (run / "global_step_7").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("7")
+    result = run_app("sft", env={**base_env, "DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from global_step_7 in {run}" in result.stdout
+
+    result = run_app("sft", env={**base_env, "FRESH": "1", "SFT_TRAINER_MODULE": "cpu_sft_trainer"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    aside = [p for p in run.parent.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert (run / "rank0.json").is_file() and not (run / "global_step_7").exists()
+    assert f"moved the previous run aside to {aside[0]}" in result.stdout
+
+
+# --- GRPO: Ray head and worker -------------------------------------------------------------------------
+@pytest.fixture
+def ray_env(base_env):
+    # short socket paths (AF_UNIX limit) in a temp dir of this test; Ray's other ports are chosen free
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**base_env, "RAY_TMPDIR": temp, "HEAD_IP": "127.0.0.1", "RAY_PORT": str(free_port()),
+           "GPUS_PER_NODE": "1", "GRPO_TRAINER_MODULE": "ray_driver",
+           "RAY_START_ARGS": "--num-gpus 1 --num-cpus 1 --include-dashboard false "
+                             f"--dashboard-agent-listen-port {free_port()}",
+           "RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
+    yield env
+    subprocess.run(["rm", "-rf", temp])
+
+
+def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_driver(base_env):
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "10.1.2.3", "NNODES": "2",
+                                       "RAY_AUTH_TOKEN": "abc123"})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ray.scripts.scripts start --head --block --node-ip-address 10.1.2.3 --port 6379" in out
+    assert "--dashboard-host 127.0.0.1" in out
+    assert "export RAY_AUTH_MODE=token" in out and "abc123" not in out
+    assert "export RAY_ADDRESS=10.1.2.3:6379" in out
+    assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=10.1.2.3:6379" in out
+
+
+@pytest.mark.slow
+def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_env, tmp_path):
+    """Worker first (it retries until the head is up), then the head: both nodes join with token auth,
+    the driver sees both and their actors inherit the tracking environment; when the head goes away
+    the worker leaves on its own."""
+    env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "300"}
+    worker_args = f"--num-gpus 1 --num-cpus 1 --dashboard-agent-listen-port {free_port()}"
+    worker = start_app("grpo-worker", {**env, "NODE_IP": "127.0.0.2", "RAY_START_ARGS": worker_args},
+                       tmp_path / "worker.log")
+    head = None
+    try:
+        time.sleep(3)
+        assert worker.poll() is None  # still waiting for a head
+        head = start_app("grpo-head", env, tmp_path / "head.log")
+        head_code = head.wait(timeout=500)
+        head_log = (tmp_path / "head.log").read_text()
+        assert head_code == 0, head_log[-4000:]
+        worker_code = worker.wait(timeout=180)
+    finally:
+        for process in (head, worker):
+            if process is not None:
+                stop_group(process)
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert worker_code == 0 and "went away: worker stopped" in worker_log, worker_log[-3000:]
+
+    run = Path(env["CKPT_DIR"])
+    token = run / ".ray_auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+    seen = json.loads((run / "driver.json").read_text())
+    assert "127.0.0.2" in seen["nodes"] and len(seen["nodes"]) == 2 and seen["gpus"] == 2
+    assert seen["RAY_ADDRESS"] == f"127.0.0.1:{env['RAY_PORT']}"
+    for task in seen["tasks"]:  # actors on both nodes: token mode, the run's tracking directory
+        assert task["RAY_AUTH_MODE"] == "token" and task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
+    assert "cluster ready:" in head_log and "127.0.0.2 (1 GPU)" in head_log
+
+
+@pytest.mark.slow
+def test_ray_head_times_out_with_how_many_joined_and_from_where(ray_env, tmp_path):
+    env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "15"}
+    head = start_app("grpo-head", env, tmp_path / "head.log")
+    try:
+        code = head.wait(timeout=400)
+    finally:
+        stop_group(head)
+    log = (tmp_path / "head.log").read_text()
+    last = [line for line in log.splitlines() if line.strip()][-1]
+    assert code != 0
+    assert last.startswith("error: only 1 of 2 nodes joined within 15s (") and "(1 GPU)" in last, log[-3000:]
+    assert "make grpo-worker HEAD_IP=127.0.0.1" in last
+    assert "stopping the Ray head" in log and not (Path(env["CKPT_DIR"]) / "driver.json").exists()
