@@ -253,6 +253,152 @@ def merge_with_verl(shards: ShardSet, target: Path) -> None:
     merger.cleanup()
 
 
+# Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
+# and their merged result) plus one rank's slice of it in fp32, whatever the model's size.
+STREAM_FILE_BYTES = 512 << 20
+
+
+def _load_mmap(path: Path):
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/... for a damaged file
+        raise UserError(f"{path} is corrupt and cannot be read ({type(exc).__name__}: {_one_line(exc)[:200]}): "
+                        "copy it again from its node (make gather) or merge an earlier STEP") from None
+
+
+def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
+    """verl's FSDP merge, done one output file at a time through memory-mapped shards.
+
+    verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model).
+    Here the tensors of one output file are read rank by rank from memory-mapped shards (each mapping is
+    dropped before the next rank's is opened, so its pages leave memory), merged, and written with
+    safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
+    local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
+    drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
+    and scripts/bench_merge.sh check that).
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+    from tqdm import tqdm
+
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger, merge_non_dtensor_shards
+    from verl.model_merger.output_validation import validate_hf_model_output
+    from verl.utils import hf_processor, hf_tokenizer
+    from verl.utils.transformers_compat import drop_tied_target_keys
+
+    target.mkdir(parents=True, exist_ok=True)
+    merger = FSDPModelMerger(ModelMergerConfig(
+        operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
+        hf_model_config_path=str(shards.directory / "huggingface")))
+    if not merger.model_config.architectures:
+        raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
+                        "config.json of the model you trained into it (with \"architectures\")")
+    world = merger._get_world_size()
+    rank0 = _load_mmap(shards.files[0])
+    mesh, mesh_dim_names = merger._extract_device_mesh_info(rank0, world)
+    total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, mesh_dim_names)
+    if total_shards != world or len(mesh_shape) != 1:
+        raise UserError(f"device mesh {mesh_dim_names} of shape {tuple(mesh.shape)} in {shards.directory}: only "
+                        "FSDP (optionally with DDP) checkpoints merge here; try --engine verl")
+    keys = list(rank0)
+    sizes = {k: rank0[k].numel() * 2 for k in keys}  # bf16 bytes of the merged tensor (DTensor.numel is global)
+    del rank0
+
+    def pieces_of(keys_wanted: list[str]) -> dict[str, list]:
+        """key -> [(bf16 local piece, placements) per rank], one rank's mapping open at a time."""
+        pieces: dict[str, list] = {k: [] for k in keys_wanted}
+        for path in shards.files:
+            state = _load_mmap(path)
+            for key in keys_wanted:
+                if key not in state:
+                    raise UserError(f"{path} has no tensor {key} (rank 0 has): the shards come from different "
+                                    "runs; gather this run's shards")
+                value = state[key]
+                if isinstance(value, DTensor):
+                    placements = tuple(value.placements)
+                    if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl
+                        placements = placements[1:]
+                    pieces[key].append((value._local_tensor.bfloat16(), placements))
+                else:
+                    pieces[key].append((value.bfloat16(), None))
+            del state, value  # unmaps this rank's file: its pages leave memory before the next rank's come in
+        return pieces
+
+    def merge_one(key: str, parts: list) -> torch.Tensor:
+        placements = parts[0][1]
+        if placements is None:
+            return merge_non_dtensor_shards(key, [t for t, _ in parts])
+        if any(p != placements for _, p in parts):
+            raise UserError(f"ranks disagree on how {key} is sharded: the shards come from different runs")
+        return merger._merge_by_placement([t for t, _ in parts], placements[0])
+
+    # Names as verl writes them: LoRA weights split off into lora_adapter/ (verl's save_lora_adapter renames
+    # the base keys), then tied aliases (lm_head.weight) dropped. Placeholder values carry the source key.
+    names: dict[str, object] = {k: k for k in keys}
+    lora_keys = [k for k in keys if "lora_" in k]
+    if lora_keys:
+        if len(lora_keys) == len(keys):
+            raise UserError(f"{shards.directory} holds only LoRA weights (checkpoint.save_lora_only=True): there is "
+                            "no base model to merge into; save full checkpoints, or load the adapter with PEFT")
+        for key, parts in pieces_of(lora_keys).items():
+            names[key] = merge_one(key, parts)
+        merger.save_lora_adapter(names)
+    with init_empty_weights():
+        model = merger.get_transformers_auto_model_class().from_config(
+            merger.model_config, torch_dtype=torch.bfloat16, trust_remote_code=merger.config.trust_remote_code)
+    model = merger.patch_model_generation_config(model)
+    drop_tied_target_keys(names, model, merger.model_config)
+    plan = [(name, source) for name, source in names.items() if isinstance(source, str)]
+
+    # Output files of about file_bytes each, tensors in the model's own order.
+    groups: list[list[tuple[str, str]]] = [[]]
+    filled = 0
+    for name, source in plan:
+        if groups[-1] and filled + sizes[source] > file_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, source))
+        filled += sizes[source]
+    single = len(groups) == 1
+    files = ["model.safetensors"] if single else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    total = sum(sizes[source] for _, source in plan)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards") as bar:
+        for group, filename in zip(groups, files):
+            pieces = pieces_of([source for _, source in group])
+            out: dict[str, torch.Tensor] = {}
+            for name, source in group:
+                out[name] = merge_one(source, pieces.pop(source))
+                weight_map[name] = filename
+            del pieces
+            save_file(out, str(target / filename), metadata={"format": "pt"})
+            del out
+            bar.update(sum(sizes[source] for _, source in group))
+    if not single:
+        index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()), "total_size": total},
+                 "weight_map": weight_map}
+        # the same index transformers' save_pretrained writes for a sharded model
+        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    # config + generation config as save_pretrained writes them for this bf16 model (what verl's merger calls)
+    model.config.dtype = "bfloat16"
+    model.config.architectures = [model.__class__.__name__]
+    model.config.save_pretrained(target)
+    if model.can_generate():
+        model.generation_config.save_pretrained(target)
+    processor = hf_processor(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
+    tokenizer = hf_tokenizer(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
+    for artefact in (processor, tokenizer):
+        if artefact is not None:
+            artefact.save_pretrained(target)
+    validate_hf_model_output(target)
+
+
 def _auto_class(config):
     from verl.model_merger.base_model_merger import BaseModelMerger
 
@@ -330,7 +476,30 @@ def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> 
             f"{ids.shape[1]} tokens gives finite logits")
 
 
-def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engine: str = "verl") -> Path:
+def fold_lora(directory: Path) -> None:
+    """verl leaves the base model and lora_adapter/ apart: fold the adapter in with PEFT so that `directory`
+    is a complete model (what eval and vLLM load). verl's base moves to base/, the adapter stays beside it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    base = directory / "base"
+    base.mkdir()
+    for entry in list(directory.iterdir()):
+        if entry.name not in ("base", "lora_adapter"):
+            os.replace(entry, base / entry.name)
+    say("folding lora_adapter/ into the base model (PEFT merge_and_unload)")
+    model = _auto_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(model, directory / "lora_adapter").merge_and_unload()
+    model.save_pretrained(directory)
+    for entry in base.iterdir():  # tokenizer, chat template, processor: as in the base
+        weights = entry.suffix == ".safetensors" or entry.name in ("model.safetensors.index.json", "config.json")
+        if entry.is_file() and not weights and not (directory / entry.name).exists():
+            shutil.copy2(entry, directory / entry.name)
+
+
+def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engine: str = "stream",
+          file_bytes: int = STREAM_FILE_BYTES) -> Path:
     """Check, merge into a temporary directory, verify, then rename into OUT_DIR. Returns OUT_DIR."""
     where = locate(ckpt_dir, step)
     shards = check_complete(where.shard_dir)
@@ -346,12 +515,203 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
     with atomic_path(out) as tmp:
         if engine == "verl":
             merge_with_verl(shards, tmp)
+        elif engine == "stream":
+            merge_streaming(shards, tmp, file_bytes=file_bytes)
         else:
-            raise UserError(f"unknown merge engine {engine!r}: choose verl")
+            raise UserError(f"unknown merge engine {engine!r}: choose stream or verl")
+        if (tmp / "lora_adapter").is_dir():
+            fold_lora(tmp)
         say("verifying the merged model")
         summary = verify(tmp)
     say(f"merged model in {out}: {summary}")
     return out
+
+
+# --- gather ---------------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    """One source of shards: `[user@]host[:RUN_DIR]` over ssh, or `local:RUN_DIR` (a directory here)."""
+
+    spec: str
+    host: str | None
+    run: str
+
+    def url(self, relative: str) -> str:
+        path = f"{self.run.rstrip('/')}/{relative}"
+        return path if self.host is None else f"{self.host}:{path}"
+
+
+def parse_nodes(text: str, local_run: Path) -> list[Node]:
+    nodes = []
+    for spec in text.replace(",", " ").split():
+        if spec.startswith("local:"):
+            # A directory on this machine standing in for a node (a mounted disk, or tests): same code path.
+            nodes.append(Node(spec, None, spec[len("local:"):] or str(local_run)))
+        elif ":" in spec:
+            host, path = spec.split(":", 1)
+            nodes.append(Node(spec, host, path or str(local_run)))
+        else:  # the usual case: identical absolute paths on every node
+            nodes.append(Node(spec, spec, str(local_run)))
+    return nodes
+
+
+def _rsync(args: list[str], node: Node, what: str) -> str:
+    import subprocess
+
+    if shutil.which("rsync") is None:
+        raise UserError("rsync is not installed on this node: install it (apt-get install rsync openssh-client)")
+    cmd = ["rsync"]
+    if node.host is not None and not os.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
+        cmd += ["-e", "ssh -o BatchMode=yes -o ConnectTimeout=10"]
+    result = subprocess.run(cmd + args, capture_output=True, text=True)
+    if result.returncode != 0:
+        detail = _one_line(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")
+        if node.host is not None and result.returncode == 255:
+            raise UserError(f"cannot reach {node.host} over ssh to {what} ({detail}): make `ssh {node.host}` work "
+                            f"without a password from this node (ssh-copy-id {node.host}), or use a shared volume")
+        raise UserError(f"rsync from {node.spec} failed to {what} (exit {result.returncode}: {detail}): check that "
+                        f"{node.url('')} exists on that node")
+    return result.stdout
+
+
+def _listing(node: Node, relative: str) -> dict[str, int] | None:
+    """relative path -> size of the files under RUN_DIR/relative on the node; None if it is not there."""
+    url = node.url(relative.rstrip("/") + "/")
+    if node.host is None and not Path(url).is_dir():
+        return None
+    try:
+        out = _rsync(["-r", "--list-only", url], node, f"list {relative}")
+    except UserError as exc:
+        if "No such file" in str(exc) or "change_dir" in str(exc):
+            return None
+        raise
+    files = {}
+    for line in out.splitlines():
+        parts = line.split(None, 4)
+        if len(parts) == 5 and parts[0].startswith("-"):
+            files[parts[4]] = int(parts[1].replace(",", "").replace(".", ""))
+    return files
+
+
+def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -> None:
+    """rsync one file; the bar follows rsync's temporary file (.NAME.XXXXXX) as it grows."""
+    import threading
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    done = threading.Event()
+    start = bar.n
+
+    def follow():
+        while not done.wait(0.5):
+            grown = sum(p.stat().st_size for p in dest.parent.glob(f".{dest.name}.*") if p.is_file())
+            bar.update(max(0, start + min(grown, size) - bar.n))
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+    try:
+        _rsync(["-a", node.url(relative), str(dest)], node, f"copy {relative}")
+    finally:
+        done.set()
+        watcher.join()
+    bar.update(start + size - bar.n)
+    if dest.stat().st_size != size:
+        raise UserError(f"{dest} has {dest.stat().st_size} bytes but {node.spec} lists {size}: the file changed "
+                        "during the copy (is training still saving?); rerun make gather once the save is done")
+
+
+def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
+    """Pull the shards of one step from every node into this node's run directory; return its shard dir."""
+    import tempfile
+
+    from tqdm import tqdm
+
+    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    nodes = parse_nodes(nodes_text or "", ckpt_dir)
+    spec = (step or "latest").strip()
+    latest_here = ckpt_dir / LATEST_FILE
+    if spec == "latest" and latest_here.is_file():
+        spec = latest_here.read_text().strip()
+    elif spec == "latest":
+        # Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it.
+        numbers = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, node in enumerate(nodes):
+                if LATEST_FILE in (_listing(node, "") or {}):
+                    _rsync([node.url(LATEST_FILE), f"{tmp}/{i}"], node, f"read {LATEST_FILE}")
+                    text = Path(f"{tmp}/{i}").read_text().strip()
+                    numbers += [int(text)] if text.isdigit() else []
+        if not numbers:
+            raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
+                            "set STEP=N (the global_step_N to gather)")
+        spec = str(max(numbers))
+    if not spec.isdigit():
+        raise UserError(f"STEP={spec!r} is not a step number: set STEP=latest or a number")
+    step_rel = f"global_step_{spec}"
+    local_step = ckpt_dir / step_rel
+    local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
+    try:
+        shards = check_complete(local_shards)
+        say(f"all {shards.world_size} ranks of step {spec} are already in {local_shards} (a shared volume, or "
+            "gathered before): nothing to do")
+        return local_shards
+    except UserError:
+        pass
+    if not nodes:
+        raise UserError(f"{local_shards} lacks shards from other nodes and NODES is empty: set NODES=\"<ip of "
+                        "every node>\" (ssh access from here) or use a shared volume")
+
+    # What each node holds (including this one) for this step.
+    holdings: dict[str, dict[str, int]] = {}
+    local_files = {str(p.relative_to(local_step)): p.stat().st_size
+                   for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
+    for node in nodes:
+        holdings[node.spec] = _listing(node, step_rel) or {}
+    prefix = "actor/" if any(k.startswith("actor/") for files in [local_files, *holdings.values()] for k in files) \
+        else ""
+    wanted: dict[str, tuple[Node, int]] = {}  # relative path -> (node, size)
+    worlds: dict[int, set[str]] = {}
+    for node in nodes:
+        for rel, size in holdings[node.spec].items():
+            name = rel[len(prefix):] if rel.startswith(prefix) else None
+            if name is None:
+                continue
+            match = SHARD_RE.match(name)
+            rank0_file = name in ("fsdp_config.json", "lora_train_meta.json") or name.startswith("huggingface/")
+            if not (match or rank0_file):
+                continue  # optimizer and extra state: not needed to merge
+            if match:
+                worlds.setdefault(int(match.group(1)), set()).add(node.spec)
+            if rel in local_files:
+                if match and local_files[rel] != size:
+                    raise UserError(f"{prefix}{name} differs between this node ({local_files[rel]} bytes) and "
+                                    f"{node.spec} ({size} bytes): one is from an older run; remove the stale copy")
+                continue
+            if rel in wanted and wanted[rel][1] != size:
+                if match:
+                    raise UserError(f"{rel} is on both {wanted[rel][0].spec} and {node.spec} with different sizes: "
+                                    "one is from an older run; remove the stale copy")
+                continue
+            wanted.setdefault(rel, (node, size))
+    local_worlds = {int(m.group(1)) for rel in local_files if (m := SHARD_RE.match(rel[len(prefix):]))}
+    all_worlds = set(worlds) | local_worlds
+    if len(all_worlds) > 1:
+        detail = "; ".join(f"world size {w} on {', '.join(sorted(worlds.get(w, set()) | ({'this node'} if w in local_worlds else set())))}"
+                           for w in sorted(all_worlds))
+        raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
+                        "run; remove them")
+    total = sum(size for _, size in wanted.values())
+    say(f"gathering {len(wanted)} files ({total / 2**30:.2f} GiB) of step {spec} from "
+        f"{len({n.spec for n, _ in wanted.values()})} node(s) into {local_step}")
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Gathering shards") as bar:
+        for rel, (node, size) in sorted(wanted.items()):
+            _copy_with_progress(node, f"{step_rel}/{rel}", local_step / rel, size, bar)
+    if not (ckpt_dir / LATEST_FILE).is_file():
+        with atomic_path(ckpt_dir / LATEST_FILE) as tmp:
+            tmp.write_text(spec)
+    shards = check_complete(local_step / prefix if prefix else local_step)
+    say(f"all {shards.world_size} ranks of step {spec} are in {shards.directory}: next, make merge STEP={spec}")
+    return shards.directory
 
 
 # --- CLI ------------------------------------------------------------------------------------------
@@ -362,15 +722,34 @@ def _merge_main(argv: list[str]) -> int:
     parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
     parser.add_argument("--out", default=env("OUT_DIR"), help="output directory (OUT_DIR)")
     parser.add_argument("--force", action="store_true", default=env_flag("FORCE"), help="replace OUT_DIR")
-    parser.add_argument("--engine", default="verl", choices=["verl"],
-                        help="verl: verl.model_merger as is")
+    parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
+                        help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
+                             "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
+    parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
+                        help="size of each output safetensors file (stream engine; memory is about twice it)")
     args = parser.parse_args(argv)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir()
-    merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine)
+    merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
+          file_bytes=int(args.file_mb * 2**20))
+    return 0
+
+
+def _gather_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app gather", description=gather.__doc__)
+    parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
+    parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
+    parser.add_argument("--nodes", default=env("NODES"),
+                        help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR], or local:DIR for a directory here)')
+    args = parser.parse_args(argv)
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else (
+        run_dir(env("JOB", "sft")) if env("CKPT_DIR") or env("JOB") else default_run_dir())
+    gather(ckpt_dir, args.step, args.nodes)
     return 0
 
 
 def main(command: str, argv: list[str]) -> int:
     if command == "merge":
         return _merge_main(argv)
-    raise UserError(f"{command} is not available yet")
+    if command == "gather":
+        return _gather_main(argv)
+    raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")

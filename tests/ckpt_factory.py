@@ -45,6 +45,7 @@ def _build_model(args):
         shape["num_hidden_layers"] = args.layers
     config = Qwen2Config(max_position_embeddings=4096, rope_theta=10000.0, **shape)
     config.torch_dtype = "bfloat16"
+    config.architectures = ["Qwen2ForCausalLM"]  # what a from_pretrained model's config carries
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config).float()
     return model, build_tokenizer()
@@ -80,11 +81,6 @@ def _worker(rank: int, args) -> None:
         with torch.no_grad():
             for param in model.parameters():
                 param.to_local().normal_(0.0, 0.02, generator=generator)
-            for buffer_name, buffer in model.named_buffers():
-                if "inv_freq" in buffer_name:  # rotary buffer: recompute as the model's init does
-                    module = model.get_submodule(buffer_name.rsplit(".", 1)[0])
-                    inv_freq, _ = module.rope_init_fn(module.config, "cpu")
-                    buffer.copy_(inv_freq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if args.optimizer else None
     contents = ["model", "optimizer", "extra"] if args.optimizer else ["model"]
     manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=None,

@@ -3,9 +3,13 @@ through verl's own FSDPCheckpointManager (tests/ckpt_factory.py), in SFT's and G
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,165 @@ def test_existing_out_dir_is_kept_without_force_and_replaced_with_it(runs, tmp_p
     result = run_app("merge", env={"CKPT_DIR": str(runs[1]), "OUT_DIR": str(out), "FORCE": "1"})
     assert result.returncode == 0, result.stderr
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_stream_engine_writes_exactly_what_verl_merger_writes(runs, tmp_path):
+    stream, verl = tmp_path / "stream", tmp_path / "verl"
+    # --file-mb 1: several output files + index, as a big model gets
+    result = run_app("merge", "--file-mb", "1", env={"CKPT_DIR": str(runs[4]), "OUT_DIR": str(stream)})
+    assert result.returncode == 0, result.stderr
+    result = run_app("merge", "--engine", "verl", env={"CKPT_DIR": str(runs[4]), "OUT_DIR": str(verl)})
+    assert result.returncode == 0, result.stderr
+    assert len(list(stream.glob("model-*-of-*.safetensors"))) > 1 and (stream / "model.safetensors.index.json").is_file()
+    ours, theirs = load_tensors(stream), load_tensors(verl)
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].equal(tensor), name
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert json.loads((stream / name).read_text()) == json.loads((verl / name).read_text()), name
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("empty", "is empty"),
+    ("truncate", "is corrupt"),
+    ("duplicate", "rank 2 appears 2 times"),
+    ("mixed", "different world sizes"),
+    ("no_rank0_files", "fsdp_config.json and huggingface missing"),
+])
+def test_damaged_shard_sets_are_one_line_errors(runs, tmp_path, damage, expected):
+    run = copy_run(runs[4], tmp_path / "run")
+    step = run / "global_step_7"
+    shard = step / "model_world_size_4_rank_2.pt"
+    if damage == "empty":
+        shard.write_bytes(b"")
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "duplicate":
+        shutil.copy(shard, step / "model_world_size_4_rank_2 (1).pt")  # what a file manager's copy looks like
+    elif damage == "mixed":
+        shutil.copy(shard, step / "model_world_size_2_rank_0.pt")
+    elif damage == "no_rank0_files":
+        (step / "fsdp_config.json").unlink()
+        shutil.rmtree(step / "huggingface")
+    line = assert_one_line_error(run_app("merge", env={"CKPT_DIR": str(run), "OUT_DIR": str(tmp_path / "o")}))
+    assert expected in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_killed_halfway_leaves_no_out_dir_and_the_rerun_cleans_up(runs, tmp_path):
+    out = tmp_path / "merged"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPT_DIR": str(runs[4]), "OUT_DIR": str(out)}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "merge"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    written = []
+    while time.monotonic() < deadline and proc.poll() is None and not written:
+        # kill once the first weights are on disk: mid-write (verification and the rename are still ahead)
+        written = [p for p in tmp_path.glob(".merged.tmp-*/*.safetensors")]
+        time.sleep(0.01)
+    assert written, "the merge finished or never wrote before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not out.exists()
+    assert list(tmp_path.glob(".merged.tmp-*"))  # the killed merge's temporary is what is left
+    result = run_app("merge", env={"CKPT_DIR": str(runs[4]), "OUT_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    assert "left by an interrupted merge" in result.stdout
+    assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".merged.*"))
+
+
+def test_lora_checkpoint_gives_a_merged_full_model_plus_adapter_and_base(tiny_model_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = make_run(tmp_path / "lora", tiny_model_dir, 2, step=2, lora=True)
+    out = tmp_path / "merged"
+    result = run_app("merge", env={"CKPT_DIR": str(run), "OUT_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    adapter = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and set(adapter["target_modules"]) == {"q_proj", "v_proj"}
+    base, merged, original = load_tensors(out / "base"), load_tensors(out), load_tensors(tiny_model_dir)
+    assert set(base) == set(merged) == set(original)
+    assert all(base[name].equal(original[name]) for name in original)  # verl's base: the untouched weights
+    lora = load_tensors(out / "lora_adapter")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    a = lora[f"base_model.model.{name.replace('.weight', '.lora_A.weight')}"].float()
+    b = lora[f"base_model.model.{name.replace('.weight', '.lora_B.weight')}"].float()
+    expected = base[name].float() + (8 / 4) * (b @ a)
+    assert not merged[name].equal(base[name])
+    assert torch.allclose(merged[name].float(), expected, atol=2e-2, rtol=2e-2)
+    assert merged["model.layers.0.mlp.up_proj.weight"].equal(base["model.layers.0.mlp.up_proj.weight"])
+    # and base + adapter through PEFT gives the same model as the merged one
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out / "lora_adapter")
+    full = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(peft(input_ids=ids).logits, full(input_ids=ids).logits, atol=5e-2)
+
+
+def split_by_node(run: Path, dest: Path, world_size: int, ranks_per_node: int) -> list[Path]:
+    """What a multi-node run leaves behind: each node's run dir holds only its own ranks' files; rank 0's
+    node also has fsdp_config.json, huggingface/ and latest_checkpointed_iteration.txt."""
+    nodes = []
+    for node in range(world_size // ranks_per_node):
+        node_run = copy_run(run, dest / f"node{node}")
+        mine = set(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+        for path in node_run.rglob("*world_size_*_rank_*.pt"):
+            if int(path.stem.rsplit("_", 1)[1]) not in mine:
+                path.unlink()
+        if node:
+            for step in node_run.glob("global_step_*"):
+                shard_dir = step / "actor" if (step / "actor").is_dir() else step
+                (shard_dir / "fsdp_config.json").unlink()
+                shutil.rmtree(shard_dir / "huggingface")
+            (node_run / "latest_checkpointed_iteration.txt").unlink()
+        nodes.append(node_run)
+    return nodes
+
+
+def test_gather_pulls_other_nodes_shards_then_merge_works(runs, tiny_model_dir, tmp_path):
+    node0, node1 = split_by_node(runs[4], tmp_path, 4, 2)
+    line = assert_one_line_error(run_app("merge", env={"CKPT_DIR": str(node0), "OUT_DIR": str(tmp_path / "o")}))
+    assert "ranks missing: 2-3" in line
+    result = run_app("gather", env={"CKPT_DIR": str(node0), "NODES": f"local:{node0} local:{node1}"})
+    assert result.returncode == 0, result.stderr
+    step = node0 / "global_step_7"
+    assert sorted(p.name for p in step.glob("model_*")) == [f"model_world_size_4_rank_{r}.pt" for r in range(4)]
+    assert not list(step.glob("optim_world_size_4_rank_[23].pt"))  # optimizer state is not needed to merge
+    assert "next, make merge STEP=7" in result.stdout
+    result = run_app("merge", env={"CKPT_DIR": str(node0), "OUT_DIR": str(tmp_path / "merged")})
+    assert result.returncode == 0, result.stderr
+    merged, original = load_tensors(tmp_path / "merged"), load_tensors(tiny_model_dir)
+    assert all(merged[name].equal(original[name]) for name in original)
+
+
+def test_gather_on_a_worker_node_fetches_rank0_files_and_the_latest_step(runs, tmp_path):
+    node0, node1 = split_by_node(runs[2], tmp_path, 2, 1)  # GRPO layout: global_step_5/actor/
+    result = run_app("gather", env={"CKPT_DIR": str(node1), "NODES": f"local:{node0}"})
+    assert result.returncode == 0, result.stderr
+    actor = node1 / "global_step_5" / "actor"
+    assert (actor / "model_world_size_2_rank_0.pt").is_file() and (actor / "huggingface" / "config.json").is_file()
+    assert (node1 / "latest_checkpointed_iteration.txt").read_text() == "5"
+
+
+def test_gather_with_everything_present_says_nothing_to_do(runs, tmp_path):
+    run = copy_run(runs[2], tmp_path / "shared")
+    result = run_app("gather", env={"CKPT_DIR": str(run), "NODES": "no-such-host-anywhere"})
+    assert result.returncode == 0, result.stderr
+    assert "nothing to do" in result.stdout
+
+
+def test_gather_refuses_a_rank_that_differs_between_nodes(runs, tmp_path):
+    node0, node1 = split_by_node(runs[4], tmp_path, 4, 2)
+    stale = node1 / "global_step_7" / "model_world_size_4_rank_0.pt"  # an older run's rank 0 left on node 1
+    stale.write_bytes(b"x" * 100)
+    line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(node0), "NODES": f"local:{node1}"}))
+    assert "model_world_size_4_rank_0.pt differs" in line and "older run" in line
+
+
+def test_gather_names_an_unreachable_node(runs, tmp_path):
+    node0, _ = split_by_node(runs[4], tmp_path, 4, 2)
+    line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(node0), "NODES": "nobody@127.0.0.1:1"},
+                                         timeout=120))
+    assert "127.0.0.1" in line
