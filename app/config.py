@@ -45,6 +45,9 @@ PROFILE_NEW_KEYS = {
 # Where in each job's config the pieces preflight looks at live.
 MODEL_KEY = {"sft": "model", "grpo": "actor_rollout_ref.model"}
 ROLLOUT_ENGINES = ("vllm", "sglang", "trtllm")
+# trainer.logger backends verl imports at start (verl/utils/tracking.py) -> the package that must be here
+LOGGER_PACKAGES = {"wandb": "wandb", "vemlp_wandb": "wandb", "swanlab": "swanlab", "mlflow": "mlflow",
+                   "clearml": "clearml", "trackio": "trackio", "tensorboard": "tensorboard"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -270,6 +273,28 @@ def _has_key(cfg, dotted: str) -> bool:
     return True
 
 
+def _verl_base_config(job: str):
+    """verl's packaged config of `job`, without our profile.
+
+    For ppo_trainer verl ships the flattened result as _generated_ppo_trainer.yaml (regenerated and
+    checked in verl's CI): one YAML load instead of a second Hydra composition, which keeps preflight
+    fast. Elsewhere (sft_trainer_engine, small) Hydra composes it.
+    """
+    from omegaconf import OmegaConf
+
+    generated = verl_config_dir() / f"_generated_{BASE_CONFIG[job]}.yaml"
+    if generated.is_file():
+        import yaml
+
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        return OmegaConf.create(yaml.load(generated.read_text(), Loader=loader))
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+        return hydra_compose(config_name=BASE_CONFIG[job])
+
+
 def check_profile_keys(job: str) -> None:
     """Every key of configs/<job>.yaml must exist in verl's packaged config (except PROFILE_NEW_KEYS).
 
@@ -280,11 +305,7 @@ def check_profile_keys(job: str) -> None:
 
     profile = yaml.safe_load((CONFIG_DIR / f"{job}.yaml").read_text()) or {}
     profile.pop("defaults", None)
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-        base = hydra_compose(config_name=BASE_CONFIG[job])
+    base = _verl_base_config(job)
     for key in _leaf_keys(profile):
         if key in PROFILE_NEW_KEYS[job]:
             continue
@@ -434,6 +455,13 @@ def _check_config(s: Settings, cfg, notes: list[str], warnings: list[str]) -> No
             if value and not str(value).startswith("/"):
                 raise UserError(f"{key}={value} is relative in a {s.nnodes}-node run: use an absolute path, "
                                 "identical on every node")
+
+    loggers = sel("trainer.logger")
+    for backend in [loggers] if isinstance(loggers, str) else list(loggers or []):
+        package = LOGGER_PACKAGES.get(backend)
+        if package and importlib.util.find_spec(package) is None:
+            raise UserError(f"trainer.logger has {backend}, but {package} is not installed here (verl imports it at "
+                            f"start): install it, or drop it, e.g. ARGS='trainer.logger=[console,file]'")
 
     save_freq = sel("trainer.save_freq")
     if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):

@@ -99,14 +99,20 @@ def test_misspelt_key_in_args_fails_as_hydra_fails_in_verl(launch_env, monkeypat
     assert "optim.lrr" in message
 
 
-def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_path):
-    # Hydra would merge it silently (and keep verl's lr=1e-3): preflight compares with verl's config
+@pytest.mark.parametrize("job, line, typo, key", [
+    ("sft", "  lr: 1e-5", "  lrr: 1e-5", "optim.lrr"),
+    ("grpo", "    n: 5", "    nn: 5", "actor_rollout_ref.rollout.nn"),
+])
+def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_path, job, line, typo, key):
+    # Hydra merges a config file's keys without struct checks (verl's lr=1e-3 would silently stay):
+    # preflight compares the profile with verl's own config
     configs = tmp_path / "configs"
     shutil.copytree(cfgmod.CONFIG_DIR, configs)
-    text = (configs / "sft.yaml").read_text().replace("  lr: 1e-5", "  lrr: 1e-5")
-    (configs / "sft.yaml").write_text(text)
+    text = (configs / f"{job}.yaml").read_text()
+    assert text.count(line) == 1
+    (configs / f"{job}.yaml").write_text(text.replace(line, typo))
     monkeypatch.setattr(cfgmod, "CONFIG_DIR", configs)
-    message = rejects("sft", monkeypatch, "optim.lrr")
+    message = rejects(job, monkeypatch, key)
     assert "does not have" in message
 
 
@@ -199,6 +205,14 @@ def test_rejects_sequence_parallel_not_dividing_attention_heads(launch_env, monk
 
 def test_rejects_save_freq_that_saves_nothing(launch_env, monkeypatch):
     rejects("grpo", monkeypatch, r"save_freq=-1 writes no checkpoint", ARGS="trainer.save_freq=-1")
+
+
+def test_rejects_a_logger_whose_package_is_not_installed(launch_env, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed here")
+    rejects("sft", monkeypatch, "has mlflow, but mlflow is not installed", ARGS="trainer.logger=[console,mlflow]")
 
 
 def test_rejects_sft_batch_not_divisible_by_gpus(launch_env, monkeypatch):
