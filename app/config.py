@@ -201,9 +201,10 @@ def attention_overrides(job: str) -> tuple[list[str], str | None]:
     """Overrides that choose the trainer's attention implementation here, and a note for the user.
 
     verl asks transformers for flash_attention_2 unless told otherwise; without the flash-attn package
-    that fails at model load, so where flash-attn is missing we switch to sdpa. Whether sdpa keeps packed
-    samples apart under remove-padding is being checked on a GPU: if it does not, this one function
-    must also turn remove-padding off (or refuse). An attn_implementation in ARGS wins (it comes later).
+    that fails at model load, so where flash-attn is missing we switch to sdpa. sdpa keeps packed samples
+    apart under remove-padding with transformers 5.9 (per-sample losses packed == alone, CPU and H200:
+    docs/gpu-runs.md, scripts/packing_check.py); should a transformers change break that, this one
+    function must also turn remove-padding off or refuse. An attn_implementation in ARGS wins (later).
     """
     if importlib.util.find_spec("flash_attn") is not None:
         return [], None
@@ -263,13 +264,17 @@ def _leaf_keys(node, prefix: str = "") -> list[str]:
 
 
 def _has_key(cfg, dotted: str) -> bool:
+    """Whether `cfg` (a DictConfig or a plain dict) declares the dotted key, even as ??? or null."""
     from omegaconf import DictConfig
 
     node = cfg
     for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or part not in node.keys():
+        if isinstance(node, DictConfig) and part in node.keys():
+            node = node._get_node(part)
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
             return False
-        node = node._get_node(part)
     return True
 
 
@@ -280,14 +285,12 @@ def _verl_base_config(job: str):
     checked in verl's CI): one YAML load instead of a second Hydra composition, which keeps preflight
     fast. Elsewhere (sft_trainer_engine, small) Hydra composes it.
     """
-    from omegaconf import OmegaConf
-
     generated = verl_config_dir() / f"_generated_{BASE_CONFIG[job]}.yaml"
     if generated.is_file():
         import yaml
 
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        return OmegaConf.create(yaml.load(generated.read_text(), Loader=loader))
+        return yaml.load(generated.read_text(), Loader=loader)  # a plain dict: only its keys are read
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -367,6 +370,15 @@ def _sp_size(cfg, job: str) -> int:
                _int(cfg, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1))
 
 
+def refuse_stale_environment() -> None:
+    """Variables from older walkthroughs that now do nothing (silently): refuse them with what to do."""
+    if os.environ.get("VLLM_ATTENTION_BACKEND"):
+        raise UserError(
+            f"VLLM_ATTENTION_BACKEND={os.environ['VLLM_ATTENTION_BACKEND']} is set, but vLLM 0.24 ignores it "
+            "(and has no XFORMERS backend): unset it; the backend is chosen in configs/grpo.yaml "
+            "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
+
+
 def preflight(job: str, *, deep: bool = False) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
 
@@ -379,11 +391,7 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
     warnings: list[str] = []
 
     # -- the environment of this node
-    if os.environ.get("VLLM_ATTENTION_BACKEND"):
-        raise UserError(
-            f"VLLM_ATTENTION_BACKEND={os.environ['VLLM_ATTENTION_BACKEND']} is set, but vLLM 0.24 ignores it "
-            "(and has no XFORMERS backend): unset it; the backend is chosen in configs/grpo.yaml "
-            "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
+    refuse_stale_environment()
     if s.nnodes < 1:
         raise UserError(f"NNODES={s.nnodes}: set NNODES to the number of machines (1 or more)")
     if not 0 <= s.node_rank < s.nnodes:

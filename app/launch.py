@@ -383,8 +383,7 @@ def launch_grpo_worker() -> int:
     s = cfgmod.read_settings("grpo")
     if not s.head_ip:
         raise UserError("HEAD_IP is not set: set it to the Ray head's IP (the same HEAD_IP as on the head)")
-    if os.environ.get("VLLM_ATTENTION_BACKEND"):
-        cfgmod.preflight("grpo")  # raises its one-line refusal
+    cfgmod.refuse_stale_environment()  # Ray actors on this node inherit its environment
     if s.gpus_seen is not None and s.gpus_seen != s.gpus_per_node:
         raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) ({s.gpu_source}): "
                         f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")

@@ -211,3 +211,13 @@ def test_ray_head_times_out_with_how_many_joined_and_from_where(ray_env, tmp_pat
     assert last.startswith("error: only 1 of 2 nodes joined within 15s (") and "(1 GPU)" in last, log[-3000:]
     assert "make grpo-worker HEAD_IP=127.0.0.1" in last
     assert "stopping the Ray head" in log and not (Path(env["CKPT_DIR"]) / "driver.json").exists()
+
+
+def test_grpo_worker_dry_run_joins_the_head_address_and_needs_head_ip(base_env):
+    result = run_app("grpo-worker", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "10.1.2.3", "RAY_PORT": "6400",
+                                         "NODE_IP": "10.1.2.4"})
+    assert result.returncode == 0, result.stderr
+    assert "ray.scripts.scripts start --address 10.1.2.3:6400 --block" in result.stdout
+    assert "--node-ip-address 10.1.2.4" in result.stdout and "export RAY_AUTH_MODE=token" in result.stdout
+    line = assert_one_line_error(run_app("grpo-worker", env={**base_env, "DRY_RUN": "1"}))
+    assert "HEAD_IP is not set" in line
