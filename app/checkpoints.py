@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import shutil
 import zipfile
@@ -163,7 +164,7 @@ def _ranks(ranks) -> str:
     return ", ".join(parts)
 
 
-def check_complete(directory: Path, *, need_rank0_files: bool = True) -> ShardSet:
+def check_complete(directory: Path) -> ShardSet:
     """Every rank 0..W-1 exactly once, one world size, no empty or truncated file; else a UserError."""
     directory = Path(directory)
     found = scan(directory)
@@ -210,11 +211,9 @@ def check_complete(directory: Path, *, need_rank0_files: bool = True) -> ShardSe
             raise UserError(f"{path} is corrupt (not a complete torch checkpoint; truncated copy?): copy it "
                             "again from its node (make gather) or merge an earlier STEP")
         sizes.append(size)
-    if need_rank0_files:
-        absent = [name for name in RANK0_FILES if not (directory / name).exists()]
-        if absent:
-            raise UserError(f"{' and '.join(absent)} missing in {directory}: rank 0's node writes them; "
-                            f"{GATHER_HINT}")
+    absent = [name for name in RANK0_FILES if not (directory / name).exists()]
+    if absent:
+        raise UserError(f"{' and '.join(absent)} missing in {directory}: rank 0's node writes them; {GATHER_HINT}")
     return ShardSet(directory, world, files, sizes)
 
 
@@ -249,7 +248,12 @@ def merge_with_verl(shards: ShardSet, target: Path) -> None:
                                target_dir=str(target), hf_model_config_path=str(shards.directory / "huggingface"))
     target.mkdir(parents=True, exist_ok=True)
     merger = FSDPModelMerger(config)
-    merger.merge_and_save()
+    try:
+        merger.merge_and_save()
+    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        raise UserError(f"verl.model_merger failed on {shards.directory} ({type(exc).__name__}: "
+                        f"{_one_line(exc)[:300]}): a shard may be damaged; copy it again (make gather) or "
+                        "merge an earlier STEP") from None
     merger.cleanup()
 
 
@@ -259,7 +263,12 @@ STREAM_FILE_BYTES = 512 << 20
 
 
 def _load_mmap(path: Path):
+    import logging
+
     import torch
+
+    # Unpickling a DTensor outside its process group warns about torch.compile, once per file: noise here.
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
 
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
@@ -308,16 +317,20 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
     keys = list(rank0)
     sizes = {k: rank0[k].numel() * 2 for k in keys}  # bf16 bytes of the merged tensor (DTensor.numel is global)
     del rank0
+    for path in shards.files[1:]:  # every rank readable and alike before anything is written (cheap: mmap)
+        other = set(_load_mmap(path))
+        if other != set(keys):
+            odd = sorted(other ^ set(keys))[0]
+            raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
+                            "different runs; gather this run's shards")
 
-    def pieces_of(keys_wanted: list[str]) -> dict[str, list]:
+    def pieces_of(keys_wanted: list[str], bar=None) -> dict[str, list]:
         """key -> [(bf16 local piece, placements) per rank], one rank's mapping open at a time."""
         pieces: dict[str, list] = {k: [] for k in keys_wanted}
+        per_rank = sum(sizes[k] for k in keys_wanted) // world
         for path in shards.files:
             state = _load_mmap(path)
             for key in keys_wanted:
-                if key not in state:
-                    raise UserError(f"{path} has no tensor {key} (rank 0 has): the shards come from different "
-                                    "runs; gather this run's shards")
                 value = state[key]
                 if isinstance(value, DTensor):
                     placements = tuple(value.placements)
@@ -327,6 +340,8 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
                 else:
                     pieces[key].append((value.bfloat16(), None))
             del state, value  # unmaps this rank's file: its pages leave memory before the next rank's come in
+            if bar is not None:
+                bar.update(per_rank)
         return pieces
 
     def merge_one(key: str, parts: list) -> torch.Tensor:
@@ -350,7 +365,7 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
         merger.save_lora_adapter(names)
     with init_empty_weights():
         model = merger.get_transformers_auto_model_class().from_config(
-            merger.model_config, torch_dtype=torch.bfloat16, trust_remote_code=merger.config.trust_remote_code)
+            merger.model_config, dtype=torch.bfloat16, trust_remote_code=merger.config.trust_remote_code)
     model = merger.patch_model_generation_config(model)
     drop_tied_target_keys(names, model, merger.model_config)
     plan = [(name, source) for name, source in names.items() if isinstance(source, str)]
@@ -371,7 +386,8 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
     total = sum(sizes[source] for _, source in plan)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards") as bar:
         for group, filename in zip(groups, files):
-            pieces = pieces_of([source for _, source in group])
+            before = bar.n
+            pieces = pieces_of([source for _, source in group], bar)
             out: dict[str, torch.Tensor] = {}
             for name, source in group:
                 out[name] = merge_one(source, pieces.pop(source))
@@ -379,7 +395,7 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
             del pieces
             save_file(out, str(target / filename), metadata={"format": "pt"})
             del out
-            bar.update(sum(sizes[source] for _, source in group))
+            bar.update(before + sum(sizes[source] for _, source in group) - bar.n)
     if not single:
         index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()), "total_size": total},
                  "weight_map": weight_map}
@@ -667,8 +683,8 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
                    for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
     for node in nodes:
         holdings[node.spec] = _listing(node, step_rel) or {}
-    prefix = "actor/" if any(k.startswith("actor/") for files in [local_files, *holdings.values()] for k in files) \
-        else ""
+    held = [rel for files in (local_files, *holdings.values()) for rel in files]
+    prefix = "actor/" if any(rel.startswith("actor/") for rel in held) else ""  # GRPO layout
     wanted: dict[str, tuple[Node, int]] = {}  # relative path -> (node, size)
     worlds: dict[int, set[str]] = {}
     for node in nodes:
@@ -696,8 +712,8 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
     local_worlds = {int(m.group(1)) for rel in local_files if (m := SHARD_RE.match(rel[len(prefix):]))}
     all_worlds = set(worlds) | local_worlds
     if len(all_worlds) > 1:
-        detail = "; ".join(f"world size {w} on {', '.join(sorted(worlds.get(w, set()) | ({'this node'} if w in local_worlds else set())))}"
-                           for w in sorted(all_worlds))
+        where = {w: sorted(worlds.get(w, set()) | ({"this node"} if w in local_worlds else set())) for w in all_worlds}
+        detail = "; ".join(f"world size {w} on {', '.join(where[w])}" for w in sorted(where))
         raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
                         "run; remove them")
     total = sum(size for _, size in wanted.values())
@@ -741,8 +757,7 @@ def _gather_main(argv: list[str]) -> int:
     parser.add_argument("--nodes", default=env("NODES"),
                         help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR], or local:DIR for a directory here)')
     args = parser.parse_args(argv)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else (
-        run_dir(env("JOB", "sft")) if env("CKPT_DIR") or env("JOB") else default_run_dir())
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir()
     gather(ckpt_dir, args.step, args.nodes)
     return 0
 

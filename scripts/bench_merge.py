@@ -96,7 +96,8 @@ def main() -> None:
             results[name].append((wall, peak))
             print(f"run {i + 1} {name:4s}: {wall:6.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
     n = compare(work / "out_verl", work / "out_app")
-    med = {name: (statistics.median(w for w, _ in r), statistics.median(p for _, p in r)) for name, r in results.items()}
+    med = {name: (statistics.median(w for w, _ in runs), statistics.median(p for _, p in runs))
+           for name, runs in results.items()}
     mem_ratio = med["app"][1] / med["verl"][1]
     time_ratio = med["app"][0] / med["verl"][0]
     cpus = os.cpu_count()

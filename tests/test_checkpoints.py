@@ -106,7 +106,8 @@ def test_stream_engine_writes_exactly_what_verl_merger_writes(runs, tmp_path):
     assert result.returncode == 0, result.stderr
     result = run_app("merge", "--engine", "verl", env={"CKPT_DIR": str(runs[4]), "OUT_DIR": str(verl)})
     assert result.returncode == 0, result.stderr
-    assert len(list(stream.glob("model-*-of-*.safetensors"))) > 1 and (stream / "model.safetensors.index.json").is_file()
+    assert len(list(stream.glob("model-*-of-*.safetensors"))) > 1
+    assert (stream / "model.safetensors.index.json").is_file()
     ours, theirs = load_tensors(stream), load_tensors(verl)
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
@@ -120,6 +121,7 @@ def test_stream_engine_writes_exactly_what_verl_merger_writes(runs, tmp_path):
     ("truncate", "is corrupt"),
     ("duplicate", "rank 2 appears 2 times"),
     ("mixed", "different world sizes"),
+    ("bad_pickle", "is corrupt and cannot be read"),
     ("no_rank0_files", "fsdp_config.json and huggingface missing"),
 ])
 def test_damaged_shard_sets_are_one_line_errors(runs, tmp_path, damage, expected):
@@ -134,6 +136,15 @@ def test_damaged_shard_sets_are_one_line_errors(runs, tmp_path, damage, expected
         shutil.copy(shard, step / "model_world_size_4_rank_2 (1).pt")  # what a file manager's copy looks like
     elif damage == "mixed":
         shutil.copy(shard, step / "model_world_size_2_rank_0.pt")
+    elif damage == "bad_pickle":  # a complete zip whose pickled state dict is garbage: found when read
+        import zipfile
+
+        entries = {}
+        with zipfile.ZipFile(shard) as archive:
+            entries = {info.filename: archive.read(info) for info in archive.infolist()}
+        with zipfile.ZipFile(shard, "w", zipfile.ZIP_STORED) as archive:
+            for name, data in entries.items():
+                archive.writestr(name, b"\x80\x02garbage" if name.endswith("data.pkl") else data)
     elif damage == "no_rank0_files":
         (step / "fsdp_config.json").unlink()
         shutil.rmtree(step / "huggingface")
