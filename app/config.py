@@ -551,11 +551,18 @@ def verl_validate(cfg) -> None:
 
     It imports verl (and torch): seconds, so only `check` and the real grpo-head launch run it.
     """
+    import contextlib
+    import io
+    import warnings
+
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     try:
-        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        # its "all checks passed" print and the critic-disabled notice would drown our one-line summary
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     except (AssertionError, ValueError, TypeError) as exc:
         raise UserError(f"verl's validate_config rejects the grpo config: {' '.join(str(exc).split())}") from None
 

@@ -94,6 +94,15 @@ def test_verls_own_entry_points_compose_the_config_preflight_checked(launch_env,
         assert theirs == json.loads(json.dumps(ours)), job
 
 
+def test_check_runs_verls_validate_config_and_its_rejection_is_one_line(launch_env):
+    # a mini batch larger than the batch: none of our own checks, verl's validate_config refuses it
+    args = ("actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=300")
+    line = assert_one_line_error(run_app("check", "grpo", env={**launch_env, "ARGS": args}))
+    assert line.startswith("error: verl's validate_config rejects the grpo config:")
+    assert "ppo_mini_batch_size (300)" in line
+
+
 def test_misspelt_key_in_args_fails_as_hydra_fails_in_verl(launch_env, monkeypatch):
     message = rejects("sft", monkeypatch, "does not compose", ARGS="optim.lrr=1e-5")
     assert "optim.lrr" in message
