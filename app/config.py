@@ -576,8 +576,15 @@ def report(plan: Preflight) -> None:
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse that fails as one UserError line (the house rule) instead of usage text + exit 2."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see `{self.prog} --help`")
+
+
 def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m app {command}")
+    parser = _Parser(prog=f"python -m app {command}")
     parser.add_argument("job", choices=sorted(BASE_CONFIG), help="sft or grpo")
     if command == "config":
         parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")

@@ -263,6 +263,11 @@ def test_rejects_the_stale_vllm_attention_backend_variable(launch_env, monkeypat
     rejects("grpo", monkeypatch, "vLLM 0.24 ignores it", VLLM_ATTENTION_BACKEND="XFORMERS")
 
 
+def test_check_of_an_unknown_job_is_one_line(launch_env):
+    line = assert_one_line_error(run_app("check", "ppo", env=launch_env))
+    assert "invalid choice: 'ppo'" in line
+
+
 def test_config_command_prints_the_composed_config(launch_env):
     result = run_app("config", "grpo", env={**launch_env, "ARGS": "trainer.total_epochs=2"})
     assert result.returncode == 0, result.stderr
