@@ -31,9 +31,12 @@ model="$BENCH_DIR/model"; data="$BENCH_DIR/sft.parquet"
 # flash-attn is not installed (the stock default asks for flash_attention_2 and fails without it).
 common=(model.path="$model" data.train_files="$data" data.max_length=$((SEQ_TOKENS * 2))
         data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console]
-        trainer.resume_mode=disable data.num_workers=2 +model.override_config.attn_implementation=sdpa)
+        trainer.resume_mode=disable data.num_workers=2 ++model.override_config.attn_implementation=sdpa)
 nogc=(model.enable_gradient_checkpointing=False)
 big=(data.max_token_len_per_gpu=32768)
+# without the fused loss, 32k tokens of fp32 logits over a 151,936 vocabulary do not fit in 141 GB
+fused=(model.use_fused_kernels=True model.fused_kernel_options.impl_backend=triton)
+flex=(++model.override_config.attn_implementation=flex_attention)
 
 results=()
 for name in "${configs[@]}"; do
@@ -43,8 +46,10 @@ for name in "${configs[@]}"; do
     nogc)       extra=("${nogc[@]}") ;;
     tok32k)     extra=("${big[@]}") ;;
     nogc-32k)   extra=("${nogc[@]}" "${big[@]}") ;;
-    flex)       extra=("${nogc[@]}" "${big[@]}" +model.override_config.attn_implementation=flex_attention) ;;
-    fused)      extra=("${nogc[@]}" "${big[@]}" model.use_fused_kernels=True model.fused_kernel_options.impl_backend=triton) ;;
+    fused)      extra=("${nogc[@]}" "${big[@]}" "${fused[@]}") ;;
+    fused-16k)  extra=("${nogc[@]}" "${fused[@]}" data.max_token_len_per_gpu=16384) ;;
+    flex)       extra=("${nogc[@]}" "${big[@]}" "${fused[@]}" "${flex[@]}") ;;
+    flex-16k)   extra=("${nogc[@]}" "${fused[@]}" "${flex[@]}" data.max_token_len_per_gpu=16384) ;;
     nocompile)  extra=("${nogc[@]}" "${big[@]}" engine.use_torch_compile=False) ;;
     bf16-master) extra=("${nogc[@]}" "${big[@]}" engine.model_dtype=bf16) ;;
     profile)    ;;
@@ -61,7 +66,7 @@ for name in "${configs[@]}"; do
          trainer.default_local_dir="$BENCH_DIR/ckpt-$name" "${extra[@]}")
   fi
   echo "== $name: ${cmd[*]}"
-  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done

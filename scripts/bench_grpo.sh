@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GRPO throughput, side by side in one run: verl's examples/grpo_trainer GSM8K settings (`stock`)
+# against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
+# per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
+#
+#   scripts/bench_grpo.sh [CONFIG...]       (default: stock profile; needs vLLM, see docs/gpu-runs.md)
+#
+# Settings (environment):
+#   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
+#   PRESET     model shape from app/tiny.py (default qwen2.5-0.5b, random weights)
+#   BATCH      prompts per step (default 64; the examples use 1024 on 8 GPUs)   N  samples per prompt (5)
+#   RESPONSE   max response tokens (default 1024, as the examples)   STEPS  steps, step 1 not timed (4)
+#   NGPU       GPUs on this node (default 1)                          PYTHON interpreter (default python3)
+# A random-weight model answers until max length, so generation is the worst case of a real run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+BENCH_DIR=$(mkdir -p "${BENCH_DIR:-runs/bench-grpo}" && cd "${BENCH_DIR:-runs/bench-grpo}" && pwd)
+PRESET=${PRESET:-qwen2.5-0.5b}; BATCH=${BATCH:-64}; N=${N:-5}; RESPONSE=${RESPONSE:-1024}; STEPS=${STEPS:-4}
+NGPU=${NGPU:-1}
+configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
+
+[ -f "$BENCH_DIR/model/config.json" ] || $PYTHON -m app tiny-model "$BENCH_DIR/model" --preset "$PRESET"
+[ -f "$BENCH_DIR/data/gsm8k/train.parquet" ] || DATA_DIR="$BENCH_DIR/data" $PYTHON -m app prep gsm8k
+model="$BENCH_DIR/model"; train="$BENCH_DIR/data/gsm8k/train.parquet"; val="$BENCH_DIR/data/gsm8k/test.parquet"
+
+# Shared by both: same data, batch, lengths, group size, steps; no validation, no wandb.
+shape=(data.train_batch_size=$BATCH data.max_prompt_length=512 data.max_response_length=$RESPONSE
+       actor_rollout_ref.rollout.n=$N trainer.total_training_steps=$((STEPS + 1)) trainer.test_freq=-1
+       trainer.val_before_train=False trainer.logger=[console] trainer.save_freq=-1)
+# verl's examples/grpo_trainer GSM8K runs (run_qwen2-7b_seq_balance.sh, run_qwen3_0.6b_fsdp.sh): their
+# optimisation settings, on this machine's GPU count and tensor parallel 1. sdpa only because
+# flash-attn is not installed here; vLLM picks its own attention kernel.
+stock=(algorithm.adv_estimator=grpo data.train_files="$train" data.val_files="$val" data.filter_overlong_prompts=True
+       data.truncation=error actor_rollout_ref.model.path="$model" actor_rollout_ref.actor.optim.lr=1e-6
+       actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))
+       actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.actor.use_kl_loss=True
+       actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+       actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+       actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+       actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+       actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.fsdp_config.param_offload=True
+       algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.n_gpus_per_node=$NGPU trainer.nnodes=1
+       trainer.resume_mode=disable ++actor_rollout_ref.model.override_config.attn_implementation=sdpa)
+
+results=()
+for name in "${configs[@]}"; do
+  case $name in
+    stock)   cmd=($PYTHON -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
+                  trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
+    profile) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
+                  NNODES=1 GPUS_PER_NODE=$NGPU CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
+                  ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
+    *) echo "unknown config $name" >&2; exit 2 ;;
+  esac
+  log="$BENCH_DIR/$name.log"
+  echo "== $name: ${cmd[*]}"
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" --timeout "${BENCH_TIMEOUT:-900}" \
+           --tokens-key perf/total_num_tokens -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
+  [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
+  results+=("${line#BENCH }")
+done
+
+echo "== GRPO: $PRESET shape, batch $BATCH x n=$N, responses <= $RESPONSE tokens, $NGPU GPU(s), steps 2..$STEPS timed"
+echo "   (tokens/s is per node; perf/throughput is verl's own tokens/s/GPU)"
+printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock \
+    --extra perf/throughput timing_s/gen timing_s/old_log_prob timing_s/ref timing_s/update_actor
