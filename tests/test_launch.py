@@ -139,7 +139,7 @@ def test_rerun_says_it_resumes_and_fresh_moves_the_old_run_aside(base_env):
 @pytest.fixture
 def ray_env(base_env):
     # short socket paths (AF_UNIX limit) in a temp dir of this test; Ray's other ports are chosen free
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    temp = tempfile.mkdtemp(prefix="ray")
     env = {**base_env, "RAY_TMPDIR": temp, "HEAD_IP": "127.0.0.1", "RAY_PORT": str(free_port()),
            "GPUS_PER_NODE": "1", "GRPO_TRAINER_MODULE": "ray_driver",
            "RAY_START_ARGS": "--num-gpus 1 --num-cpus 1 --include-dashboard false "
