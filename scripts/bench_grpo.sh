@@ -25,9 +25,9 @@ configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
 model="$BENCH_DIR/model"; train="$BENCH_DIR/data/gsm8k/train.parquet"; val="$BENCH_DIR/data/gsm8k/test.parquet"
 
 # Shared by both: same data, batch, lengths, group size, steps; no validation, no wandb.
-shape=(data.train_batch_size=$BATCH data.max_prompt_length=512 data.max_response_length=$RESPONSE
-       actor_rollout_ref.rollout.n=$N trainer.total_training_steps=$((STEPS + 1)) trainer.test_freq=-1
-       trainer.val_before_train=False trainer.logger=[console] trainer.save_freq=-1)
+shape=("data.train_batch_size=$BATCH" data.max_prompt_length=512 "data.max_response_length=$RESPONSE"
+       "actor_rollout_ref.rollout.n=$N" trainer.total_training_steps=$((STEPS + 1)) trainer.test_freq=-1
+       trainer.val_before_train=False "trainer.logger=[console]" trainer.save_freq=-1)
 # verl's examples/grpo_trainer GSM8K runs (run_qwen2-7b_seq_balance.sh, run_qwen3_0.6b_fsdp.sh): their
 # optimisation settings, on this machine's GPU count and tensor parallel 1. sdpa only because
 # flash-attn is not installed here; vLLM picks its own attention kernel.
@@ -40,16 +40,16 @@ stock=(algorithm.adv_estimator=grpo data.train_files="$train" data.val_files="$v
        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.tensor_model_parallel_size=1
        actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6
        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.fsdp_config.param_offload=True
-       algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.n_gpus_per_node=$NGPU trainer.nnodes=1
+       algorithm.use_kl_in_reward=False trainer.critic_warmup=0 "trainer.n_gpus_per_node=$NGPU" trainer.nnodes=1
        trainer.resume_mode=disable ++actor_rollout_ref.model.override_config.attn_implementation=sdpa)
 
 results=()
 for name in "${configs[@]}"; do
   case $name in
-    stock)   cmd=($PYTHON -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
+    stock)   cmd=("$PYTHON" -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
                   trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
     profile) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
-                  NNODES=1 GPUS_PER_NODE=$NGPU CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
+                  NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
                   ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
     *) echo "unknown config $name" >&2; exit 2 ;;
   esac

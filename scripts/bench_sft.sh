@@ -30,7 +30,7 @@ model="$BENCH_DIR/model"; data="$BENCH_DIR/sft.parquet"
 # than verl's max_length default (1024), no resume from an earlier config's directory. sdpa because
 # flash-attn is not installed (the stock default asks for flash_attention_2 and fails without it).
 common=(model.path="$model" data.train_files="$data" data.max_length=$((SEQ_TOKENS * 2))
-        data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console]
+        "data.train_batch_size=$BATCH" trainer.total_training_steps=$((STEPS + 1)) "trainer.logger=[console]"
         trainer.resume_mode=disable data.num_workers=2 ++model.override_config.attn_implementation=sdpa)
 nogc=(model.enable_gradient_checkpointing=False)
 big=(data.max_token_len_per_gpu=32768)
@@ -59,7 +59,7 @@ for name in "${configs[@]}"; do
   if [ "$name" = profile ]; then
     # our `make sft`, as a user runs it, with only the benchmark's data/model/length/step count set
     cmd=(make sft RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" TRAIN_FILE="$data" NNODES=1 NODE_RANK=0
-         GPUS_PER_NODE=$NGPU CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
+         GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
          ARGS="data.max_length=$((SEQ_TOKENS * 2)) data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console] trainer.test_freq=-1")
   else
     cmd=(torchrun --standalone --nnodes 1 --nproc_per_node "$NGPU" -m verl.trainer.sft_trainer "${common[@]}"
