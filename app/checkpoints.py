@@ -281,13 +281,15 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
     """verl's FSDP merge, done one output file at a time through memory-mapped shards.
 
     verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model).
-    Here the tensors of one output file are read rank by rank from memory-mapped shards (each mapping is
-    dropped before the next rank's is opened, so its pages leave memory), merged, and written with
+    Here the tensors of one output file are read from memory-mapped shards, a few ranks at a time (each
+    mapping is dropped once its pieces are cast, so its pages leave memory), merged, and written with
     safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
     local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
     drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
     and scripts/bench_merge.sh check that).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
@@ -308,6 +310,7 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
         raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
                         "config.json of the model you trained into it (with \"architectures\")")
     world = merger._get_world_size()
+    workers = max(1, min(4, os.cpu_count() or 1, world))
     rank0 = _load_mmap(shards.files[0])
     mesh, mesh_dim_names = merger._extract_device_mesh_info(rank0, world)
     total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, mesh_dim_names)
@@ -324,24 +327,33 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
             raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
                             "different runs; gather this run's shards")
 
+    def rank_pieces(path: Path, keys_wanted: list[str]) -> dict[str, tuple]:
+        """key -> (bf16 local piece, placements) of one rank; its mapping is dropped on return."""
+        state = _load_mmap(path)
+        result = {}
+        for key in keys_wanted:
+            value = state[key]
+            if isinstance(value, DTensor):
+                placements = tuple(value.placements)
+                if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl does
+                    placements = placements[1:]
+                result[key] = (value._local_tensor.bfloat16(), placements)
+            else:
+                result[key] = (value.bfloat16(), None)
+        return result  # `state` goes out of scope: the file is unmapped and its pages leave memory
+
     def pieces_of(keys_wanted: list[str], bar=None) -> dict[str, list]:
-        """key -> [(bf16 local piece, placements) per rank], one rank's mapping open at a time."""
+        """key -> [(bf16 local piece, placements) per rank in rank order]."""
         pieces: dict[str, list] = {k: [] for k in keys_wanted}
         per_rank = sum(sizes[k] for k in keys_wanted) // world
-        for path in shards.files:
-            state = _load_mmap(path)
-            for key in keys_wanted:
-                value = state[key]
-                if isinstance(value, DTensor):
-                    placements = tuple(value.placements)
-                    if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl
-                        placements = placements[1:]
-                    pieces[key].append((value._local_tensor.bfloat16(), placements))
-                else:
-                    pieces[key].append((value.bfloat16(), None))
-            del state, value  # unmaps this rank's file: its pages leave memory before the next rank's come in
-            if bar is not None:
-                bar.update(per_rank)
+        # A few ranks at once, as verl loads its shards: the casts release the GIL, and only `workers`
+        # mappings are open at a time, so memory grows by a few ranks' slices only.
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for result in pool.map(lambda path: rank_pieces(path, keys_wanted), shards.files):
+                for key in keys_wanted:
+                    pieces[key].append(result[key])
+                if bar is not None:
+                    bar.update(per_rank)
         return pieces
 
     def merge_one(key: str, parts: list) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""Peak memory and wall time of `python -m app merge` against `python -m verl.model_merger merge` on the
+"""Peak memory and wall time of `make merge` (python -m app merge) against `python -m verl.model_merger merge` on the
 same 8-rank checkpoint of a ~1B model, and proof that both write bit-identical tensors.
 
 Run through scripts/bench_merge.sh. Each merge is its own process; its peak RSS is the kernel's
-ru_maxrss from os.wait4 (the whole process lifetime, no sampling), its wall time the clock around it.
+ru_maxrss from os.wait4 (the largest process of its tree over its whole life, no sampling), its wall time the clock around it.
 The two are run alternately, REPEAT times each, so page-cache warmth favours neither.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(cmd: list[str], log: Path) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one command, which must succeed."""
+def timed(cmd: list[str], log: Path) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS bytes, user + sys CPU seconds) of one command, which must succeed."""
     with open(log, "w") as handle:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
@@ -33,7 +33,7 @@ def timed(cmd: list[str], log: Path) -> tuple[float, int]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed ({proc.returncode}): see {log}")
-    return wall, usage.ru_maxrss * 1024  # Linux reports KiB
+    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime  # Linux reports ru_maxrss in KiB
 
 
 def compare(a: Path, b: Path) -> int:
@@ -84,34 +84,38 @@ def main() -> None:
     commands = {
         "verl": lambda out: [py, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(step),
                              "--target_dir", str(out)],
-        "app": lambda out: [py, "-m", "app", "merge", "--ckpt-dir", str(run), "--step", "1", "--out", str(out),
-                            "--force"],
+        # `make merge` as a user runs it (RUNTIME=local: the Makefile's one line into `python -m app merge`)
+        "app": lambda out: ["make", "-s", "merge", "RUNTIME=local", f"PYTHON={py}", f"CKPT_DIR={run}", "STEP=1",
+                            f"OUT_DIR={out}", "FORCE=1"],
     }
-    results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     for i in range(args.repeat):
         for name, make in commands.items():
             out = work / f"out_{name}"
             shutil.rmtree(out, ignore_errors=True)
-            wall, peak = timed(make(out), work / f"{name}-{i}.log")
-            results[name].append((wall, peak))
-            print(f"run {i + 1} {name:4s}: {wall:6.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
+            wall, peak, cpu = timed(make(out), work / f"{name}-{i}.log")
+            results[name].append((wall, peak, cpu))
+            print(f"run {i + 1} {name:4s}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, peak RSS {peak / 2**30:.2f} GiB",
+                  flush=True)
     n = compare(work / "out_verl", work / "out_app")
-    med = {name: (statistics.median(w for w, _ in runs), statistics.median(p for _, p in runs))
+    med = {name: tuple(statistics.median(run[i] for run in runs) for i in range(3))
            for name, runs in results.items()}
     mem_ratio = med["app"][1] / med["verl"][1]
     time_ratio = med["app"][0] / med["verl"][0]
+    cpu_ratio = med["app"][2] / med["verl"][2]
     cpus = os.cpu_count()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     print()
     print(f"machine: {platform.machine()}, {cpus} CPUs, {mem_gib:.0f} GiB RAM, {platform.platform()}")
     print(f"checkpoint: {args.preset} x {args.layers} layers, {args.world_size} ranks, "
           f"{shard_bytes / 2**30:.2f} GiB of fp32 shards")
-    print("| command | wall s (median) | peak RSS GiB (median) | runs (s / GiB) |")
-    print("|---|---|---|---|")
-    for name, label in (("verl", "python -m verl.model_merger merge"), ("app", "python -m app merge")):
-        runs = ", ".join(f"{w:.1f} / {p / 2**30:.2f}" for w, p in results[name])
-        print(f"| `{label}` | {med[name][0]:.1f} | {med[name][1] / 2**30:.2f} | {runs} |")
-    print(f"ratio app/verl: peak memory {mem_ratio:.2f}x, wall time {time_ratio:.2f}x; "
+    print("| command | wall s (median) | CPU s (median) | peak RSS GiB (median) | each run: wall s / CPU s / GiB |")
+    print("|---|---:|---:|---:|---|")
+    for name, label in (("verl", "python -m verl.model_merger merge"), ("app", "make merge")):
+        runs = "; ".join(f"{w:.1f} / {c:.1f} / {p / 2**30:.2f}" for w, p, c in results[name])
+        print(f"| `{label}` | {med[name][0]:.1f} | {med[name][2]:.1f} | {med[name][1] / 2**30:.2f} | {runs} |")
+    print(f"ratio make merge / verl: peak memory {mem_ratio:.2f}x, wall time {time_ratio:.2f}x, "
+          f"CPU time {cpu_ratio:.2f}x; "
           f"{n} tensors bit-identical, config.json identical")
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Memory benchmark of the merge: `python -m app merge` vs `python -m verl.model_merger merge` on one
+# Memory benchmark of the merge: `make merge` vs `python -m verl.model_merger merge` on one
 # 8-rank checkpoint of a ~1B model (written first, if absent, by real gloo processes through verl's saver).
 # usage: scripts/bench_merge.sh [WORK_DIR] [--repeat N] [--layers L]   (WORK_DIR default: a temp dir)
 # Needs about 12 GB of disk (3.7 GB of shards, two merged models) and 6 GB of RAM.
