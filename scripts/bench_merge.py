@@ -1,9 +1,10 @@
-"""Peak memory and wall time of `make merge` (python -m app merge) against `python -m verl.model_merger merge` on the
-same 8-rank checkpoint of a ~1B model, and proof that both write bit-identical tensors.
+"""Peak memory and wall time of `make merge` (python -m app merge) against `python -m verl.model_merger
+merge` on the same 8-rank checkpoint of a ~1B model, and proof that both write bit-identical tensors.
 
-Run through scripts/bench_merge.sh. Each merge is its own process; its peak RSS is the kernel's
-ru_maxrss from os.wait4 (the largest process of its tree over its whole life, no sampling), its wall time the clock around it.
-The two are run alternately, REPEAT times each, so page-cache warmth favours neither.
+Run through scripts/bench_merge.sh. Each merge is its own process; its peak RSS is the kernel's ru_maxrss
+from os.wait4 (the largest process of its tree over its whole life, no sampling), its wall time the clock
+around it, its CPU time user + sys from the same rusage. The two are run alternately, REPEAT times each,
+so page-cache warmth favours neither.
 """
 
 from __future__ import annotations
