@@ -559,24 +559,20 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
 
 @dataclass
 class Node:
-    """One source of shards: `[user@]host[:RUN_DIR]` over ssh, or `local:RUN_DIR` (a directory here)."""
+    """One source of shards: `[user@]host[:RUN_DIR]`, read over ssh (RUN_DIR defaults to CKPT_DIR's path)."""
 
     spec: str
-    host: str | None
+    host: str
     run: str
 
     def url(self, relative: str) -> str:
-        path = f"{self.run.rstrip('/')}/{relative}"
-        return path if self.host is None else f"{self.host}:{path}"
+        return f"{self.host}:{self.run.rstrip('/')}/{relative}"
 
 
 def parse_nodes(text: str, local_run: Path) -> list[Node]:
     nodes = []
     for spec in text.replace(",", " ").split():
-        if spec.startswith("local:"):
-            # A directory on this machine standing in for a node (a mounted disk, or tests): same code path.
-            nodes.append(Node(spec, None, spec[len("local:"):] or str(local_run)))
-        elif ":" in spec:
+        if ":" in spec:
             host, path = spec.split(":", 1)
             nodes.append(Node(spec, host, path or str(local_run)))
         else:  # the usual case: identical absolute paths on every node
@@ -584,18 +580,29 @@ def parse_nodes(text: str, local_run: Path) -> list[Node]:
     return nodes
 
 
-def _rsync(args: list[str], node: Node, what: str) -> str:
+def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False) -> str | None:
+    """rsync over ssh; a one-line UserError on failure, or None if missing_ok and the source does not exist."""
     import subprocess
 
     if shutil.which("rsync") is None:
         raise UserError("rsync is not installed on this node: install it (apt-get install rsync openssh-client)")
     cmd = ["rsync"]
-    if node.host is not None and not os.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
+    if not os.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
         cmd += ["-e", "ssh -o BatchMode=yes -o ConnectTimeout=10"]
     result = subprocess.run(cmd + args, capture_output=True, text=True)
     if result.returncode != 0:
-        detail = _one_line(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "")
-        if node.host is not None and result.returncode == 255:
+        # rsync code 23 + "change_dir ... No such file": the source is absent (the remote's message may come
+        # anywhere among the local side's, in either order).
+        if missing_ok and result.returncode == 23 and "No such file or directory" in result.stderr:
+            return None
+        # Show the cause, not its echoes: rsync's "rsync error: ... (code N)" summary and the broken pipe or
+        # closed connection that follow the other side quitting say nothing about why.
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        echoes = ("rsync error:", "Warning: Permanently added")
+        causes = [line for line in lines if not line.startswith(echoes)
+                  and "Broken pipe" not in line and "connection unexpectedly closed" not in line]
+        detail = _one_line((causes or lines or [""])[0])
+        if result.returncode == 255:
             raise UserError(f"cannot reach {node.host} over ssh to {what} ({detail}): make `ssh {node.host}` work "
                             f"without a password from this node (ssh-copy-id {node.host}), or use a shared volume")
         raise UserError(f"rsync from {node.spec} failed to {what} (exit {result.returncode}: {detail}): check that "
@@ -606,14 +613,9 @@ def _rsync(args: list[str], node: Node, what: str) -> str:
 def _listing(node: Node, relative: str) -> dict[str, int] | None:
     """relative path -> size of the files under RUN_DIR/relative on the node; None if it is not there."""
     url = node.url(relative.rstrip("/") + "/")
-    if node.host is None and not Path(url).is_dir():
+    out = _rsync(["-r", "--list-only", url], node, f"list {relative}", missing_ok=True)
+    if out is None:
         return None
-    try:
-        out = _rsync(["-r", "--list-only", url], node, f"list {relative}")
-    except UserError as exc:
-        if "No such file" in str(exc) or "change_dir" in str(exc):
-            return None
-        raise
     files = {}
     for line in out.splitlines():
         parts = line.split(None, 4)
@@ -767,7 +769,7 @@ def _gather_main(argv: list[str]) -> int:
     parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
     parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
     parser.add_argument("--nodes", default=env("NODES"),
-                        help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR], or local:DIR for a directory here)')
+                        help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
     args = parser.parse_args(argv)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir()
     gather(ckpt_dir, args.step, args.nodes)

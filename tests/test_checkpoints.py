@@ -3,10 +3,12 @@ through verl's own FSDPCheckpointManager (tests/ckpt_factory.py), in SFT's and G
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -225,26 +227,93 @@ def split_by_node(run: Path, dest: Path, world_size: int, ranks_per_node: int) -
     return nodes
 
 
-def test_gather_pulls_other_nodes_shards_then_merge_works(runs, tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server for this user on 127.0.0.1 and 127.0.0.2 (two loopback "nodes"), with a
+    throwaway host key, client key and config; yields the RSYNC_RSH that reaches it (gather honours it)."""
+    sbin = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    server, keygen = shutil.which("sshd", path=sbin), shutil.which("ssh-keygen")
+    needed = (("sshd", server, "openssh-server"), ("ssh-keygen", keygen, "openssh-client"),
+              ("ssh", shutil.which("ssh"), "openssh-client"), ("rsync", shutil.which("rsync"), "rsync"))
+    for tool, found, package in needed:
+        if not found:  # a failure, not a skip: without it gather's ssh path goes untested (.ci/run installs it)
+            pytest.fail(f"{tool} not found: install the Debian package {package} "
+                        "(apt-get install -y openssh-server rsync)")
+    root = tmp_path_factory.mktemp("sshd")
+    for key in ("host_key", "client_key"):
+        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / key)], check=True)
+    shutil.copy(root / "client_key.pub", root / "authorized_keys")
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir; fresh containers lack it
+    with socket.socket() as probe:  # a port free now; sshd takes it on both addresses below
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = root / "sshd.log"
+    options = {"Port": port, "ListenAddress": ["127.0.0.1", "127.0.0.2"], "HostKey": root / "host_key",
+               "AuthorizedKeysFile": root / "authorized_keys", "PidFile": root / "sshd.pid", "UsePAM": "no",
+               "StrictModes": "no", "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
+               "PermitRootLogin": "prohibit-password", "LogLevel": "VERBOSE"}
+    cmd = [server, "-D", "-f", os.devnull, "-E", str(log)]  # -f /dev/null: none of this machine's sshd_config
+    for name, value in options.items():
+        for one in value if isinstance(value, list) else [value]:
+            cmd += ["-o", f"{name}={one}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def listening() -> bool:  # one line per address once it accepts connections
+            return log.is_file() and log.read_text().count("Server listening on") >= 2
+
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and not listening() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is not None or not listening():
+            errors = proc.stderr.read() if proc.poll() is not None else ""
+            pytest.fail(f"sshd did not start: {errors}{log.read_text() if log.is_file() else ''}")
+        yield {"RSYNC_RSH": f"ssh -F {os.devnull} -p {port} -i {root / 'client_key'} -o StrictHostKeyChecking=no "
+                            f"-o UserKnownHostsFile={os.devnull} -o BatchMode=yes -o IdentitiesOnly=yes "
+                            "-o LogLevel=ERROR",
+               "port": port, "log": log}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_gather_over_ssh_from_two_nodes_into_a_fresh_dir_then_merge_is_exact(runs, tiny_model_dir, sshd, tmp_path):
     node0, node1 = split_by_node(runs[4], tmp_path, 4, 2)
     line = assert_one_line_error(run_app("merge", env={"CKPT_DIR": str(node0), "OUT_DIR": str(tmp_path / "o")}))
     assert "ranks missing: 2-3" in line
-    result = run_app("gather", env={"CKPT_DIR": str(node0), "NODES": f"local:{node0} local:{node1}"})
-    assert result.returncode == 0, result.stderr
-    step = node0 / "global_step_7"
+    no_step = tmp_path / "node2"  # a node whose run has not saved this step: listed, skipped, no error
+    no_step.mkdir()
+    here = tmp_path / "here"  # does not exist yet: the step and the latest pointer all come over ssh
+    nodes = f"{getpass.getuser()}@127.0.0.1:{node0} 127.0.0.2:{node1} 127.0.0.2:{no_step}"
+    result = run_app("gather", env={"CKPT_DIR": str(here), "NODES": nodes, "RSYNC_RSH": sshd["RSYNC_RSH"]})
+    assert result.returncode == 0, result.stdout + result.stderr
+    step = here / "global_step_7"
     assert sorted(p.name for p in step.glob("model_*")) == [f"model_world_size_4_rank_{r}.pt" for r in range(4)]
-    assert not list(step.glob("optim_world_size_4_rank_[23].pt"))  # optimizer state is not needed to merge
+    assert (step / "fsdp_config.json").is_file() and (step / "huggingface" / "config.json").is_file()
+    assert not list(step.glob("optim_*")) and not list(step.glob("extra_*"))  # not needed to merge: not copied
+    assert (here / "latest_checkpointed_iteration.txt").read_text() == "7"
     assert "next, make merge STEP=7" in result.stdout
-    result = run_app("merge", env={"CKPT_DIR": str(node0), "OUT_DIR": str(tmp_path / "merged")})
+    log = sshd["log"].read_text()  # the files really came through sshd, on both node addresses
+    for address in ("127.0.0.1", "127.0.0.2"):
+        assert f"on {address} port {sshd['port']}" in log, log[-2000:]
+    assert f"Accepted publickey for {getpass.getuser()}" in log
+    result = run_app("merge", env={"CKPT_DIR": str(here), "OUT_DIR": str(tmp_path / "merged")})
     assert result.returncode == 0, result.stderr
     merged, original = load_tensors(tmp_path / "merged"), load_tensors(tiny_model_dir)
-    assert all(merged[name].equal(original[name]) for name in original)
+    assert set(merged) == set(original)
+    for name, tensor in original.items():
+        assert merged[name].dtype == tensor.dtype and merged[name].equal(tensor), name
 
 
-def test_gather_on_a_worker_node_fetches_rank0_files_and_the_latest_step(runs, tmp_path):
+def test_gather_on_a_worker_node_fetches_rank0_files_and_the_latest_step(runs, sshd, tmp_path):
     node0, node1 = split_by_node(runs[2], tmp_path, 2, 1)  # GRPO layout: global_step_5/actor/
-    result = run_app("gather", env={"CKPT_DIR": str(node1), "NODES": f"local:{node0}"})
-    assert result.returncode == 0, result.stderr
+    result = run_app("gather", env={"CKPT_DIR": str(node1), "NODES": f"127.0.0.1:{node0}",
+                                    "RSYNC_RSH": sshd["RSYNC_RSH"]})
+    assert result.returncode == 0, result.stdout + result.stderr
     actor = node1 / "global_step_5" / "actor"
     assert (actor / "model_world_size_2_rank_0.pt").is_file() and (actor / "huggingface" / "config.json").is_file()
     assert (node1 / "latest_checkpointed_iteration.txt").read_text() == "5"
@@ -257,11 +326,12 @@ def test_gather_with_everything_present_says_nothing_to_do(runs, tmp_path):
     assert "nothing to do" in result.stdout
 
 
-def test_gather_refuses_a_rank_that_differs_between_nodes(runs, tmp_path):
+def test_gather_refuses_a_rank_that_differs_between_nodes(runs, sshd, tmp_path):
     node0, node1 = split_by_node(runs[4], tmp_path, 4, 2)
     stale = node1 / "global_step_7" / "model_world_size_4_rank_0.pt"  # an older run's rank 0 left on node 1
     stale.write_bytes(b"x" * 100)
-    line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(node0), "NODES": f"local:{node1}"}))
+    line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(node0), "NODES": f"127.0.0.2:{node1}",
+                                                        "RSYNC_RSH": sshd["RSYNC_RSH"]}))
     assert "model_world_size_4_rank_0.pt differs" in line and "older run" in line
 
 
