@@ -31,3 +31,22 @@ measure "DRY_RUN=1 sft" env DRY_RUN=1 "$python" -m app sft
 measure "DRY_RUN=1 grpo-head" env DRY_RUN=1 "$python" -m app grpo-head
 measure "check grpo (+verl validate)" "$python" -m app check grpo
 [ ! -e "$work/run" ] && echo "dry runs left no run directory behind"
+# what the speed rests on: composing with libyaml gives the very config PyYAML's parser gives (the parser
+# verl's entry point uses), and the plan imports neither pandas nor pyarrow.dataset
+"$python" - <<'PY'
+import contextlib, io, os, sys
+from omegaconf import OmegaConf
+from app import config as c
+from app.__main__ import main
+for job in ("sft", "grpo"):
+    overrides = c.render_overrides(c.read_settings(job), c.attention_overrides(job)[0])
+    fast, stock = (repr(OmegaConf.to_container(c.compose(job, overrides, libyaml=flag))) for flag in (True, False))
+    assert fast == stock, f"{job}: libyaml and PyYAML compose different configs"
+print("sft and grpo configs composed with libyaml == with PyYAML's pure-Python parser")
+os.environ["DRY_RUN"] = "1"
+for command in ("sft", "grpo-head"):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([command]) == 0, command
+heavy = [name for name in ("pandas", "pyarrow.dataset", "torch", "ray", "verl") if name in sys.modules]
+print(f"of pandas, pyarrow.dataset, torch, ray, verl the dry runs imported: {', '.join(heavy) or 'none'}")
+PY
