@@ -282,6 +282,7 @@ def compose(job: str, overrides: list[str], *, libyaml: bool = True):
 
     libyaml=False parses the YAML files with PyYAML's pure-Python parser, as verl's own entry point does
     (the result is the same; scripts/bench_preflight.sh compares both)."""
+    import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -291,7 +292,7 @@ def compose(job: str, overrides: list[str], *, libyaml: bool = True):
     try:
         with libyaml_for_omegaconf(libyaml), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             return hydra_compose(config_name=job, overrides=[search, *overrides])
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         first = " ".join(str(exc).split())
         raise UserError(f"the {job} config does not compose: {first} (check ARGS and configs/{job}.yaml)") \
             from None
@@ -351,7 +352,11 @@ def check_profile_keys(job: str) -> None:
     """
     import yaml
 
-    profile = yaml.safe_load((CONFIG_DIR / f"{job}.yaml").read_text()) or {}
+    try:
+        profile = yaml.safe_load((CONFIG_DIR / f"{job}.yaml").read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"configs/{job}.yaml is not valid YAML: {' '.join(str(exc).split())}: fix it "
+                        "(or restore it with `git checkout configs/" + job + ".yaml`)") from None
     profile.pop("defaults", None)
     base = _verl_base_config(job)
     for key in _leaf_keys(profile):

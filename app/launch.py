@@ -34,7 +34,8 @@ SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 # --- pieces shared by the targets --------------------------------------------------------------------
 def shown_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment a plan prints: what we set plus the pass-through variables present here."""
-    shown = {k: v for k, v in os.environ.items() if k.startswith(PASS_PREFIXES) or k in PASS_NAMES}
+    # empty values are Make's exported-but-unset variables: noise, not settings
+    shown = {k: v for k, v in os.environ.items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
     shown.update(extra)
     return dict(sorted(shown.items()))
 

@@ -125,6 +125,28 @@ def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_
     assert "does not have" in message
 
 
+@pytest.mark.parametrize("job", ["sft", "grpo"])
+def test_broken_yaml_in_a_profile_is_a_one_line_refusal(launch_env, monkeypatch, tmp_path, job):
+    configs = tmp_path / "configs"
+    shutil.copytree(cfgmod.CONFIG_DIR, configs)
+    (configs / f"{job}.yaml").write_text((configs / f"{job}.yaml").read_text() + "\ntrainer: [unclosed\n")
+    monkeypatch.setattr(cfgmod, "CONFIG_DIR", configs)
+    message = rejects(job, monkeypatch, "not valid YAML")
+    assert "\n" not in message and f"configs/{job}.yaml" in message
+
+
+@pytest.mark.parametrize("job", ["sft", "grpo"])
+def test_libyaml_composition_equals_the_pure_python_one_verl_uses(launch_env, job):
+    # preflight parses YAML with libyaml for speed; verl's entry point uses PyYAML's Python parser
+    from omegaconf import OmegaConf
+
+    overrides = cfgmod.preflight(job).overrides
+    fast = OmegaConf.to_container(cfgmod.compose(job, overrides, libyaml=True))
+    stock = OmegaConf.to_container(cfgmod.compose(job, overrides, libyaml=False))
+    assert repr(fast) == repr(stock)
+    assert len(repr(fast)) > 1000  # a whole verl config, not an empty one
+
+
 def test_args_are_appended_last_and_win(launch_env, monkeypatch):
     monkeypatch.setenv("ARGS", "optim.lr=3e-6 model.override_config.attn_implementation=eager")
     plan = cfgmod.preflight("sft")
