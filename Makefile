@@ -12,7 +12,9 @@ endif
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
 # .env (see .env.example) counts for RUNTIME=local too, as it does for compose: below the shell
-# environment and `make VAR=...`. Make has no dotenv reader: each KEY=value line becomes `KEY ?= value`.
+# environment and `make VAR=...`. Make has no dotenv reader: each KEY=value line is assigned unless KEY
+# came from the command line or has a non-empty value already (empty counts as unset, as in the app, so
+# the empty variables an outer make exports do not hide .env).
 ifneq ($(wildcard .env),)
 empty :=
 define newline
@@ -20,7 +22,8 @@ define newline
 
 endef
 dotenv_key = $(firstword $(subst =, ,$(1)))
-dotenv_line = $(if $(and $(findstring =,$(1)),$(filter-out #%,$(1))),$(call dotenv_key,$(1)) ?= $(subst ^, ,$(patsubst $(call dotenv_key,$(1))=%,%,$(1)))$(newline)export $(call dotenv_key,$(1)))
+dotenv_set = $(if $(or $(filter command line,$(origin $(1))),$(strip $($(1)))),,$(1) = $(2))$(newline)export $(1)
+dotenv_line = $(if $(and $(findstring =,$(1)),$(filter-out #%,$(1))),$(call dotenv_set,$(call dotenv_key,$(1)),$(subst ^, ,$(patsubst $(call dotenv_key,$(1))=%,%,$(1)))))
 $(foreach line,$(subst $(newline), ,$(subst $(empty) $(empty),^,$(file < .env))),$(eval $(call dotenv_line,$(line))))
 endif
 
