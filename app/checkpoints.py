@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import UserError, atomic_path, env, env_flag, run_dir, say, warn
+from app.common import ArgParser, UserError, atomic_path, env, env_flag, run_dir, say, warn
 
 SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)(.*)\.pt$")
 STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -747,7 +747,7 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
 # --- CLI ------------------------------------------------------------------------------------------
 
 def _merge_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app merge", description=merge.__doc__)
+    parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
     parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
     parser.add_argument("--out", default=env("OUT_DIR"), help="output directory (OUT_DIR)")
@@ -765,7 +765,7 @@ def _merge_main(argv: list[str]) -> int:
 
 
 def _gather_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app gather", description=gather.__doc__)
+    parser = ArgParser(prog="python -m app gather", description=gather.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
     parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
     parser.add_argument("--nodes", default=env("NODES"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -20,6 +21,13 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes fail as one UserError line (the house rule), not usage text + exit 2."""
+
+    def error(self, message):
+        raise UserError(f"{message}: see `{self.prog} --help`")
 
 
 def env(name: str, default: str | None = None) -> str | None:

@@ -11,7 +11,6 @@ importing verl, whose import pulls in torch and takes seconds): preflight + plan
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib.util
@@ -24,7 +23,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import REPO_ROOT, UserError, env, env_int, run_dir, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, env, env_int, run_dir, say, warn
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -626,15 +625,8 @@ def report(plan: Preflight) -> None:
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """argparse that fails as one UserError line (the house rule) instead of usage text + exit 2."""
-
-    def error(self, message):
-        raise UserError(f"{message}: see `{self.prog} --help`")
-
-
 def main(command: str, argv: list[str]) -> int:
-    parser = _Parser(prog=f"python -m app {command}")
+    parser = ArgParser(prog=f"python -m app {command}")
     parser.add_argument("job", choices=sorted(BASE_CONFIG), help="sft or grpo")
     if command == "config":
         parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")

@@ -11,7 +11,6 @@ Python API (the preflight of `sft`/`grpo-head` calls these):
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import functools
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.common import REPO_ROOT, UserError, atomic_path, env, env_flag, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, atomic_path, env, env_flag, say, warn
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -369,20 +368,26 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> t
 
 # --- GSM8K ---------------------------------------------------------------------------------------------
 @functools.cache
-def verl_gsm8k_scorer() -> Callable[[str, str], float] | None:
-    """verl's own `verl.utils.reward_score.gsm8k.compute_score` (what GRPO rewards with), or None
-    without verl. Loaded from its file alone: importing the verl package pulls in torch and Ray
-    (~10 s of CPU) and this scorer is one self-contained regex module."""
+def verl_gsm8k_module():
+    """verl's own `verl.utils.reward_score.gsm8k` module (what GRPO rewards with), or None without verl.
+    Loaded from its file alone: importing the verl package pulls in torch and Ray (~10 s of CPU) and
+    this scorer is one self-contained regex module."""
     loaded = sys.modules.get("verl.utils.reward_score.gsm8k")
     if loaded is not None:
-        return loaded.compute_score
+        return loaded
     path = _verl_file("utils/reward_score/gsm8k.py")
     if path is None:
         return None
     spec = importlib.util.spec_from_file_location("_verl_gsm8k_scorer", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.compute_score
+    return module
+
+
+def verl_gsm8k_scorer() -> Callable[[str, str], float] | None:
+    """verl's `compute_score(solution_str, ground_truth)` for GSM8K, or None without verl."""
+    module = verl_gsm8k_module()
+    return module.compute_score if module is not None else None
 
 
 def _source_files(directory: Path, split: str) -> list[Path]:
@@ -594,16 +599,9 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one `error:` line like every other failure."""
-
-    def error(self, message: str):
-        raise UserError(f"{message}: see `{self.prog} --help`")
-
-
 def main(command: str, argv: list[str]) -> int:
     if command == "prep":
-        parser = _Parser(prog="python -m app prep", description="Prepare a dataset for verl (GSM8K).")
+        parser = ArgParser(prog="python -m app prep", description="Prepare a dataset for verl (GSM8K).")
         parser.add_argument("dataset", choices=["gsm8k"])
         parser.add_argument("--source", default=env("GSM8K_SOURCE"),
                             help="directory with train/test .jsonl[.gz]/.parquet, or hf (default: GSM8K_SOURCE, "
@@ -613,7 +611,7 @@ def main(command: str, argv: list[str]) -> int:
         prep_gsm8k(args.source, args.data_dir)
         return 0
 
-    parser = _Parser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")
+    parser = ArgParser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")
     parser.add_argument("action", choices=["check"])
     parser.add_argument("file", type=Path)
     parser.add_argument("--kind", choices=KINDS, help="rl or sft (default: from the columns)")

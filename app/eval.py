@@ -22,22 +22,18 @@ import json
 import time
 from pathlib import Path
 
-from app.common import UserError, atomic_path, env, env_int, say, warn
-from app.tracking import Parser
+from app.common import ArgParser, UserError, atomic_path, env, env_int, say, warn
 
 BACKENDS = ("auto", "vllm", "hf", "reference")
 
 
 def gsm8k_scorer():
-    """verl's gsm8k module, loaded from its file: importing the verl package pulls in torch and Ray
-    (seconds), and this module is one self-contained regex file."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
+    """verl's gsm8k module (compute_score, extract_solution), as `make prep` checks with it."""
+    from app.data import verl_gsm8k_module
+
+    module = verl_gsm8k_module()
+    if module is None:
         raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
-    path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "reward_score" / "gsm8k.py"
-    module_spec = importlib.util.spec_from_file_location("_verl_gsm8k", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
     return module
 
 
@@ -238,7 +234,7 @@ def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = Parser(prog="python -m app eval", description=__doc__)
+    parser = ArgParser(prog="python -m app eval", description=__doc__)
     parser.add_argument("--model", default=env("MODEL"), help="Hugging Face model directory (MODEL)")
     parser.add_argument("--step", default=env("STEP"), help="merged step, when no MODEL (STEP)")
     parser.add_argument("--data", default=None, help="RL parquet (default DATA_DIR/gsm8k/test.parquet)")

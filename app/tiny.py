@@ -4,12 +4,11 @@ all build their model here (clusters are often air-gapped, and CI has no Hugging
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from pathlib import Path
 
-from app.common import REPO_ROOT, UserError, atomic_path, say
+from app.common import REPO_ROOT, ArgParser, UserError, atomic_path, say
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -103,7 +102,7 @@ def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app tiny-model", description=__doc__)
+    parser = ArgParser(prog="python -m app tiny-model", description=__doc__)
     parser.add_argument("out", help="directory to write the model to")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import UserError, atomic_path, env, env_int, say, warn
+from app.common import ArgParser, UserError, atomic_path, env, env_int, say, warn
 
 # swanlab 0.10's local mode records into swanboard's database; it checks for exactly this version.
 SWANBOARD_VERSION = "0.1.10b2"
@@ -91,13 +91,6 @@ def tracking_overrides(tracking: dict[str, str]) -> list[str]:
         quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
         out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted}")  # ++: add or replace
     return out
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that fails as a one-line UserError (the house rule) instead of usage + exit 2."""
-
-    def error(self, message):
-        raise UserError(f"{message}: see `{self.prog} --help`")
 
 
 # --- reading a run's JSONL ------------------------------------------------------------------------
@@ -370,7 +363,7 @@ def board(run: str | None, host: str, port: int) -> int:
 
 
 def main(command: str, argv: list[str]) -> int:
-    parser = Parser(prog=f"python -m app {command}", description=__doc__,
+    parser = ArgParser(prog=f"python -m app {command}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", nargs="?", default=env("RUN"), help="run directory (default: RUN)")
     if command == "board":

@@ -1,3 +1,5 @@
+import pytest
+
 from conftest import assert_one_line_error, run_app
 
 
@@ -43,3 +45,10 @@ def test_tiny_model_loads_and_generates(tiny_model_dir):
     out = model.generate(**ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == ids["input_ids"].shape[1] + 4 or out[0, -1] == tok.eos_token_id
     assert tok.decode(tok("#### 1,234")["input_ids"]) == "#### 1,234"
+
+
+@pytest.mark.parametrize("command", ["prep", "data", "check", "config", "merge", "gather", "eval", "report",
+                                     "tiny-model"])
+def test_a_usage_mistake_is_one_line_error_for_every_command(command):
+    line = assert_one_line_error(run_app(command, "--no-such-flag"))
+    assert f"python -m app {command} --help" in line
