@@ -30,6 +30,17 @@ class ArgParser(argparse.ArgumentParser):
         raise UserError(f"{message}: see `{self.prog} --help`")
 
 
+def verl_dir() -> Path | None:
+    """The installed verl package's directory, found without importing verl (its import costs seconds:
+    torch and Ray), or None where verl is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def env(name: str, default: str | None = None) -> str | None:
     """An environment setting; empty strings count as unset (Make passes empty variables through)."""
     value = os.environ.get(name)

@@ -23,7 +23,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import REPO_ROOT, ArgParser, UserError, env, env_int, run_dir, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, env, env_int, run_dir, say, warn
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -53,10 +53,10 @@ LOGGER_PACKAGES = {"wandb": "wandb", "vemlp_wandb": "wandb", "swanlab": "swanlab
 @functools.lru_cache(maxsize=1)
 def verl_config_dir() -> Path:
     """verl's packaged Hydra configs, located without importing verl (its import costs seconds)."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
+    package = verl_dir()
+    if package is None:
         raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
-    return Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config"
+    return package / "trainer" / "config"
 
 
 def check_job(job: str) -> str:

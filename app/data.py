@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.common import REPO_ROOT, ArgParser, UserError, atomic_path, env, env_flag, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, env, env_flag, say, warn
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -55,11 +55,9 @@ class CheckReport:
 
 def _verl_file(relative: str) -> Path | None:
     """A file of the installed verl package, located without importing verl."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    return path if path.is_file() else None
+    package = verl_dir()
+    path = package / relative if package is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 @functools.cache
