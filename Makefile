@@ -32,7 +32,8 @@ export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_AD
        HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
        TRAIN_FILE VAL_FILE PROJECT EXPERIMENT SWANLAB_MODE WAIT_TIMEOUT \
        BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND SMOKE_DIR SMOKE_STEPS IMAGE \
-       FLASH_ATTN_CUDA_ARCHS MAX_JOBS DASHBOARD_HOST RAY_START_ARGS NODE_IP
+       FLASH_ATTN_CUDA_ARCHS MAX_JOBS DASHBOARD_HOST RAY_START_ARGS NODE_IP \
+       DEMO_DIR DEMO_SFT_STEPS DEMO_GRPO_STEPS
 
 # With RUNTIME=docker: IB=1 (default where /dev/infiniband exists) picks the GPU services' -ib variant.
 IB ?= $(if $(wildcard /dev/infiniband),1,0)
@@ -44,7 +45,7 @@ compose = mkdir -p data models checkpoints && PWD=$(CURDIR) docker compose
 app = $(if $(filter docker,$(RUNTIME)),$(compose) run --rm $(call service,$(1)) python -m app,$(PYTHON) -m app)
 
 .PHONY: help setup test prep data-check check sft grpo-head grpo-worker gather merge eval report \
-        board doctor smoke build lock tiny-model
+        board doctor smoke demo build lock tiny-model
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -56,8 +57,8 @@ setup: ## build .venv with everything the tests and the CPU-side commands need
 test: ## run the whole test suite (CPU; real Ray, torchrun and FSDP processes)
 	$(PYTHON) -m pytest
 
-prep: ## GSM8K -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, default: bundled copy)
-	$(call app,gsm8k-prep) prep gsm8k
+prep: ## GSM8K + the arith task -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, default: bundled)
+	$(call app,gsm8k-prep) prep
 
 data-check: ## check your own parquet: make data-check FILE=x.parquet [KIND=rl|sft] [FIX=out.parquet]
 	$(call app,gsm8k-prep) data check $(FILE) $(if $(KIND),--kind $(KIND)) $(if $(FIX),--fix $(FIX))
@@ -94,6 +95,9 @@ doctor: ## is this node ready? what to fix, one line each
 
 smoke: ## whole pipeline on one GPU with a tiny local model: prep, SFT, merge, generate
 	$(call app,sft-runner) smoke
+
+demo: ## proof of learning on one GPU: tiny model, SFT -> eval A0 -> GRPO -> eval A1 on the arith task
+	$(call app,sft-runner) demo
 
 tiny-model: ## write a tiny random model + tokenizer: make tiny-model OUT=models/tiny
 	$(call app,merger) tiny-model $(or $(OUT),models/tiny)

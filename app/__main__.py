@@ -11,7 +11,7 @@ from app.common import UserError
 
 # command -> (module, one-line help). Each module exposes main(command, argv) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prep": ("app.data", "prepare a dataset for verl: prep gsm8k"),
+    "prep": ("app.data", "prepare datasets for verl: prep [gsm8k|arith] (default both)"),
     "data": ("app.data", "check (and fix) your own parquet: data check FILE [--kind rl|sft] [--fix OUT]"),
     "check": ("app.config", "preflight: compose the sft|grpo config and reject what would fail later"),
     "config": ("app.config", "print the composed sft|grpo config"),
@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "board": ("app.tracking", "serve the local swanlab dashboard"),
     "doctor": ("app.doctor", "is this node ready? one screen, with what to do for each red line"),
     "smoke": ("app.smoke", "the whole pipeline on one GPU with a tiny local model"),
+    "demo": ("app.demo", "proof of learning on one GPU: SFT then GRPO raise a tiny model's arith accuracy"),
     "tiny-model": ("app.tiny", "write a tiny random Qwen2 model + tokenizer (tests, smoke, benchmarks)"),
 }
 

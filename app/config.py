@@ -197,19 +197,79 @@ def hydra_value(value: object) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def attention_overrides(job: str) -> tuple[list[str], str | None]:
-    """Overrides that choose the trainer's attention implementation here, and a note for the user.
+# The keys of each job that app.perf's choices set: attention, checkpointing, and the token budgets.
+PERF_KEYS = {
+    "sft": {"model": "model", "budgets": {"data.max_token_len_per_gpu": 1}},
+    "grpo": {"model": "actor_rollout_ref.model",
+             # forward-only passes (old log-prob, ref) hold no gradients: twice the training budget
+             "budgets": {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1,
+                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 2,
+                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 2}},
+}
 
-    verl asks transformers for flash_attention_2 unless told otherwise; without the flash-attn package
-    that fails at model load, so where flash-attn is missing we switch to sdpa. sdpa keeps packed samples
-    apart under remove-padding with transformers 5.9 (per-sample losses packed == alone, CPU and H200:
-    docs/gpu-runs.md, scripts/packing_check.py); should a transformers change break that, this one
-    function must also turn remove-padding off or refuse. An attn_implementation in ARGS wins (later).
+
+def attention_overrides(job: str, s: "Settings | None" = None) -> tuple[list[str], list[str]]:
+    """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
+
+    Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
+    under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
+    the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
+    The user's ARGS come later and win; `check_budgets` then refuses a budget that cannot fit.
     """
-    if importlib.util.find_spec("flash_attn") is not None:
-        return [], None
-    return [f"{MODEL_KEY[job]}.override_config.attn_implementation=sdpa"], (
-        "flash-attn is not installed here: the trainer uses attn_implementation=sdpa (the image ships flash-attn)")
+    from app import perf
+
+    keys = PERF_KEYS[job]
+    impl, why = perf.attention()
+    out = [f"{keys['model']}.override_config.attn_implementation={impl}"]
+    notes = [f"attention: {impl} ({why})"]
+    if job == "sft" and perf.liger():  # measured for SFT only (docs/benchmarks.md)
+        out.append("model.use_liger=True")
+        notes.append("Liger kernels: on (liger-kernel is installed)")
+    shape = perf.model_shape(s.model_path) if s is not None and s.model_path is not None else None
+    gpu = perf.gpu_memory_bytes()
+    if s is None or shape is None or gpu is None:
+        notes.append("token budget: the profile's (GPU memory or model shape unknown here)")
+        return out, notes
+    budget = perf.token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo")
+    if budget is None:
+        return out, notes  # check_budgets refuses with what to do
+    out.append(f"{keys['model']}.enable_gradient_checkpointing={budget.checkpointing}")
+    out += [f"{key}={budget.tokens * factor}" for key, factor in keys["budgets"].items()]
+    notes.append(f"token budget: {budget.tokens} tokens per GPU, gradient checkpointing "
+                 f"{'on' if budget.checkpointing else 'off'} ({budget.why})")
+    return out, notes
+
+
+def check_budgets(s: "Settings", cfg, gpu: int | None = None) -> None:
+    """Refuse a token budget (ARGS or profile) that cannot fit this node's GPUs, before verl runs out of
+    memory minutes into the run; nothing to check where the GPU memory or the model shape is unknown."""
+    from omegaconf import OmegaConf
+
+    from app import perf
+
+    shape = perf.model_shape(s.model_path) if s.model_path is not None else None
+    gpu = gpu if gpu is not None else perf.gpu_memory_bytes()
+    if shape is None or gpu is None:
+        return
+    keys = PERF_KEYS[s.job]
+    checkpointing = bool(OmegaConf.select(cfg, f"{keys['model']}.enable_gradient_checkpointing"))
+    gpus = s.gpus_per_node * s.nnodes
+    fits = perf.token_budget(shape, gpu, gpus, ref_model=s.job == "grpo", cap=None)  # what fits, not what is fast
+    if fits is None:
+        raise UserError(f"the model ({shape.params / 1e9:.1f}B parameters) does not fit {gpus} GPU(s) of "
+                        f"{gpu / perf.GIB:.0f} GiB for training (weights, gradients and Adam state alone): use "
+                        "more GPUs (NNODES, GPUS_PER_NODE) or a smaller model")
+    key, factor = next(iter(keys["budgets"].items()))
+    asked = OmegaConf.select(cfg, key)
+    limit = fits.tokens * factor
+    if fits.checkpointing and not checkpointing:
+        limit = 0  # only checkpointing fits any budget
+    if isinstance(asked, int) and asked > limit and (not checkpointing or fits.checkpointing):
+        raise UserError(f"{key}={asked} does not fit this node's {gpu / perf.GIB:.0f} GiB GPU(s) with "
+                        f"gradient checkpointing {'on' if checkpointing else 'off'} ({fits.why}): "
+                        f"set it to at most {fits.tokens * factor}"
+                        + (f" with {keys['model']}.enable_gradient_checkpointing=true" if fits.checkpointing else "")
+                        + ", or drop it from ARGS to let preflight choose")
 
 
 def render_overrides(s: Settings, extra: list[str] | None = None) -> list[str]:
@@ -475,12 +535,12 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
 
     # -- compose (ARGS included) and check the config itself
     check_profile_keys(job)
-    attn, attn_note = attention_overrides(job)
-    overrides = render_overrides(s, attn)
+    perf_overrides, perf_notes = attention_overrides(job, s)
+    overrides = render_overrides(s, perf_overrides)
     cfg = compose(job, overrides)
-    if attn_note:
-        warnings.append(attn_note)
+    notes += perf_notes
     _check_config(s, cfg, notes, warnings)
+    check_budgets(s, cfg)
 
     # -- data
     kind = "sft" if job == "sft" else "rl"
@@ -641,6 +701,6 @@ def main(command: str, argv: list[str]) -> int:
 
     s = read_settings(args.job)
     check_profile_keys(args.job)
-    cfg = compose(args.job, render_overrides(s, attention_overrides(args.job)[0]))
+    cfg = compose(args.job, render_overrides(s, attention_overrides(args.job, s)[0]))
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0

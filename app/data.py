@@ -1,11 +1,12 @@
-"""Data for verl 0.9.1: `prep gsm8k` writes GSM8K in verl's RL and multi-turn SFT schemas, and
+"""Data for verl 0.9.1: `prep [gsm8k|arith]` writes GSM8K (and `arith`, small additions a tiny model can
+learn) in verl's RL and multi-turn SFT schemas, and
 `data check FILE [--kind rl|sft] [--fix OUT]` checks (and repairs) users' own parquet before a
 training run trips over it.
 
 Python API (the preflight of `sft`/`grpo-head` calls these):
   - `check_parquet(path, kind=None) -> CheckReport`: raises UserError on the first bad input.
   - `fix_parquet(path, out, kind=None) -> CheckReport`: string prompts -> one-message chat lists.
-  - `prep_gsm8k(source=None, data_dir="data") -> dict[name, Path]`.
+  - `prep_gsm8k(source=None, data_dir="data") -> dict[name, Path]`; `prep_arith(data_dir="data")`.
   - `routed_data_sources()`: the data_source names verl's default scorer knows.
 """
 
@@ -534,6 +535,44 @@ def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
             raise RuntimeError(f"prep self-check: RL and SFT rows differ at row {i}")
 
 
+def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]]) -> dict[str, Path]:
+    """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT
+    messages) for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is
+    checked with `check_parquet` and against its twin before the set is renamed into place."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rl_schema, sft_schema = _schemas()
+    outputs = {f"{sub}/{split}": data_dir / sub / f"{split}.parquet"
+               for sub in (name, f"{name}_sft") for split in converted}
+    new_dirs = [d for d in (data_dir, data_dir / name, data_dir / f"{name}_sft") if not d.exists()]
+    try:
+        with contextlib.ExitStack() as stack:
+            for split, (rl_rows, sft_rows) in converted.items():
+                rl_tmp = stack.enter_context(atomic_path(outputs[f"{name}/{split}"]))
+                sft_tmp = stack.enter_context(atomic_path(outputs[f"{name}_sft/{split}"]))
+                pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
+                pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
+                for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
+                    report = check_parquet(tmp, kind)
+                    if report.notes or report.rows != len(rl_rows):
+                        raise RuntimeError(f"prep self-check of {split} {kind}: {report.rows} rows, {report.notes}")
+                _check_agreement(rl_tmp, sft_tmp, len(rl_rows))
+    except BaseException:
+        for directory in reversed(new_dirs):  # leave DATA_DIR as it was: drop directories made for this run
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    return outputs
+
+
+def say_written(outputs: dict[str, Path], converted: dict[str, tuple[list[dict], list[dict]]]) -> None:
+    for name, path in outputs.items():
+        split = name.split("/")[1]
+        kind = "SFT messages" if name.split("/")[0].endswith("_sft") else "RL prompt"
+        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
+
+
 def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict[str, Path]:
     """Prepare GSM8K for verl 0.9.1 and return {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train",
     "gsm8k_sft/test"}.
@@ -545,8 +584,6 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
     1.0, before anything is written; the written files are checked with `check_parquet` and against each
     other, and only then renamed into place, all four together. On any failure nothing is left behind.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from tqdm import tqdm
 
     described, splits = _read_source(source)
@@ -566,47 +603,64 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
                 bar.update()
             converted[split] = (rl_rows, sft_rows)
 
-    data_dir = Path(data_dir)
-    rl_schema, sft_schema = _schemas()
-    outputs = {f"{name}/{split}": data_dir / name / f"{split}.parquet"
-               for name in ("gsm8k", "gsm8k_sft") for split in SPLITS}
-    new_dirs = [d for d in (data_dir, data_dir / "gsm8k", data_dir / "gsm8k_sft") if not d.exists()]
-    try:
-        with contextlib.ExitStack() as stack:
-            for split, (rl_rows, sft_rows) in converted.items():
-                rl_tmp = stack.enter_context(atomic_path(outputs[f"gsm8k/{split}"]))
-                sft_tmp = stack.enter_context(atomic_path(outputs[f"gsm8k_sft/{split}"]))
-                pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
-                pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
-                for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
-                    report = check_parquet(tmp, kind)
-                    if report.notes or report.rows != len(rl_rows):
-                        raise RuntimeError(f"prep self-check of {split} {kind}: {report.rows} rows, {report.notes}")
-                _check_agreement(rl_tmp, sft_tmp, len(rl_rows))
-    except BaseException:
-        for directory in reversed(new_dirs):  # leave DATA_DIR as it was: drop directories made for this run
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+    outputs = write_splits(Path(data_dir), "gsm8k", converted)
     say(f"GSM8K from {described}" + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
-    for name, path in outputs.items():
-        split = name.split("/")[1]
-        kind = "RL prompt" if name.startswith("gsm8k/") else "SFT messages"
-        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
+    say_written(outputs, converted)
+    return outputs
+
+
+# --- arith: a task a tiny model learns in minutes (the proof that SFT and GRPO make a model better) ------
+# Two-number addition asked in GSM8K's form (question + INSTRUCTION, answer `#### <sum>`), so the GSM8K
+# pipeline, verl's gsm8k scorer (data_source openai/gsm8k) and `make eval` apply unchanged. The pairs are
+# fixed by a seed and split disjointly: every test question is unseen in training.
+ARITH_MAX = 100  # operands 0..99
+ARITH_TEST_ROWS = 1000
+ARITH_SEED = 0
+
+
+def arith_rows(max_operand: int = ARITH_MAX, test_rows: int = ARITH_TEST_ROWS, seed: int = ARITH_SEED,
+               scorer=None) -> dict[str, tuple[list[dict], list[dict]]]:
+    """{split: (RL rows, SFT rows)} of the addition task: every (a, b) pair once, test pairs held out."""
+    import random
+
+    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+    random.Random(seed).shuffle(pairs)
+    splits = {"train": pairs[test_rows:], "test": pairs[:test_rows]}
+    out = {}
+    for split, chosen in splits.items():
+        rows = [(f"arith {split} row {i}", {"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
+                for i, (a, b) in enumerate(chosen)]
+        converted = [_convert(split, i, where, row, scorer) for i, (where, row) in enumerate(rows)]
+        out[split] = ([rl for rl, _ in converted], [sft for _, sft in converted])
+    return out
+
+
+def prep_arith(data_dir: Path | str = "data") -> dict[str, Path]:
+    """Write the addition task as `<data_dir>/arith/{train,test}.parquet` (RL) and `arith_sft/` (SFT)."""
+    scorer = verl_gsm8k_scorer()
+    converted = arith_rows(scorer=scorer)
+    outputs = write_splits(Path(data_dir), "arith", converted)
+    say(f"arith: {ARITH_MAX}x{ARITH_MAX} additions, {ARITH_TEST_ROWS} held out for test"
+        + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
+    say_written(outputs, converted)
     return outputs
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
 def main(command: str, argv: list[str]) -> int:
     if command == "prep":
-        parser = ArgParser(prog="python -m app prep", description="Prepare a dataset for verl (GSM8K).")
-        parser.add_argument("dataset", choices=["gsm8k"])
+        parser = ArgParser(prog="python -m app prep", description="Prepare datasets for verl: GSM8K and the "
+                           "arith task (default: both).")
+        parser.add_argument("dataset", nargs="?", default="all", choices=["all", "gsm8k", "arith"])
         parser.add_argument("--source", default=env("GSM8K_SOURCE"),
                             help="directory with train/test .jsonl[.gz]/.parquet, or hf (default: GSM8K_SOURCE, "
                                  "else the bundled copy)")
         parser.add_argument("--data-dir", default=env("DATA_DIR", "data"), help="output root (default: DATA_DIR or data)")
         args = parser.parse_args(argv)
-        prep_gsm8k(args.source, args.data_dir)
+        if args.dataset in ("all", "gsm8k"):
+            prep_gsm8k(args.source, args.data_dir)
+        if args.dataset in ("all", "arith"):
+            prep_arith(args.data_dir)
         return 0
 
     parser = ArgParser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")

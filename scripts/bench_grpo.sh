@@ -56,7 +56,7 @@ for name in "${configs[@]}"; do
   log="$BENCH_DIR/$name.log"
   echo "== $name: ${cmd[*]}"
   line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" --timeout "${BENCH_TIMEOUT:-900}" \
-           --tokens-key perf/total_num_tokens -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
+           --tokens-key perf/total_num_tokens -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done

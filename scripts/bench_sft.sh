@@ -38,9 +38,14 @@ big=(data.max_token_len_per_gpu=32768)
 fused=(model.use_fused_kernels=True model.fused_kernel_options.impl_backend=triton)
 flex=(++model.override_config.attn_implementation=flex_attention)
 
+# NAME-stockopt: NAME with verl's stock optimizer settings (the profile's lr 1e-5 + cosine + warmup suit a
+# pretrained model; the same optimizer as stock is what makes the loss per step comparable)
+stockopt=(optim.lr=1e-3 optim.lr_scheduler_type=constant optim.lr_warmup_steps_ratio=0.0)
+
 results=()
-for name in "${configs[@]}"; do
+for label in "${configs[@]}"; do
   extra=()
+  name=${label%-stockopt}
   case $name in
     stock)      ;;                                          # verl's defaults, nothing else changed
     nogc)       extra=("${nogc[@]}") ;;
@@ -52,21 +57,25 @@ for name in "${configs[@]}"; do
     flex-16k)   extra=("${nogc[@]}" "${fused[@]}" "${flex[@]}" data.max_token_len_per_gpu=16384) ;;
     nocompile)  extra=("${nogc[@]}" "${big[@]}" engine.use_torch_compile=False) ;;
     bf16-master) extra=("${nogc[@]}" "${big[@]}" engine.model_dtype=bf16) ;;
-    profile)    ;;
+    profile)    ;;                                          # `make sft` as shipped: preflight's choices
+    profile-liger) extra=(model.use_liger=True) ;;           # + Liger's rmsnorm/swiglu/rope kernels
+    profile-pad) extra=(engine.pad_to_length=True) ;;        # + packed rows padded to 1k buckets (repeat shapes)
     *) echo "unknown config $name" >&2; exit 2 ;;
   esac
+  [ "$name" != "$label" ] && extra+=("${stockopt[@]}")
+  name=$label
   log="$BENCH_DIR/$name.log"
-  if [ "$name" = profile ]; then
+  if [[ $name == profile* ]]; then
     # our `make sft`, as a user runs it, with only the benchmark's data/model/length/step count set
     cmd=(make sft RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" TRAIN_FILE="$data" NNODES=1 NODE_RANK=0
          GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
-         ARGS="data.max_length=$((SEQ_TOKENS * 2)) data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console] trainer.test_freq=-1")
+         ARGS="data.max_length=$((SEQ_TOKENS * 2)) data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console] trainer.test_freq=-1 ${extra[*]}")
   else
     cmd=(torchrun --standalone --nnodes 1 --nproc_per_node "$NGPU" -m verl.trainer.sft_trainer "${common[@]}"
          trainer.default_local_dir="$BENCH_DIR/ckpt-$name" "${extra[@]}")
   fi
   echo "== $name: ${cmd[*]}"
-  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee /dev/stderr | grep '^BENCH ' || true)
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done

@@ -155,7 +155,7 @@ def test_args_are_appended_last_and_win(launch_env, monkeypatch):
     assert plan.overrides[-2:] == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
 
 
-def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
+def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_preflight_says_so(launch_env):
     import importlib.util
 
     if importlib.util.find_spec("flash_attn") is not None:
@@ -163,8 +163,11 @@ def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
     for job in ("sft", "grpo"):
         plan = cfgmod.preflight(job)
         model = plan.config.model if job == "sft" else plan.config.actor_rollout_ref.model
-        assert model.override_config.attn_implementation == "sdpa"
-        assert any("flash-attn is not installed" in w for w in plan.warnings)
+        assert model.override_config.attn_implementation == "flex_attention"
+        assert any(n.startswith("attention: flex_attention (flash-attn is not installed") for n in plan.notes)
+        # no GPU here: the profile's safe budget and checkpointing stand, and preflight says why
+        assert any("token budget: the profile's" in n for n in plan.notes)
+        assert model.enable_gradient_checkpointing is True
 
 
 def test_paths_with_spaces_survive_hydra_quoting(launch_env, monkeypatch, tmp_path):

@@ -275,7 +275,7 @@ def test_failed_prep_leaves_existing_output_untouched(tmp_path):
 
 def test_prep_usage_mistakes_are_one_line_errors():
     assert "gsm9k" in assert_one_line_error(run_app("prep", "gsm9k"))
-    assert "--help" in assert_one_line_error(run_app("prep"))
+    assert "--help" in assert_one_line_error(run_app("prep", "--no-such-option"))
 
 
 # --- data check --------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_make_help_lists_every_target_once():
 
 def test_make_n_every_target_is_one_line_into_python_m_app_or_its_compose_service():
     services = compose()["services"]
-    app_commands = {"prep": "prep gsm8k", "sft": "sft", "grpo-head": "grpo-head", "grpo-worker": "grpo-worker",
+    app_commands = {"prep": "prep", "sft": "sft", "grpo-head": "grpo-head", "grpo-worker": "grpo-worker",
                     "merge": "merge", "gather": "gather", "smoke": "smoke", "doctor": "doctor", "eval": "eval",
                     "check": "check sft", "data-check": "data check", "report": "report", "board": "board",
                     "tiny-model": "tiny-model models/tiny"}

@@ -1,0 +1,138 @@
+"""The fast settings for what this node has, chosen once in preflight and said there (issue: "fast by
+default"): the attention kernel, gradient checkpointing, and the token budget per GPU (verl's dynamic
+batch: tokens packed into one micro batch).
+
+- Attention: flash-attn's kernel where the package is installed (the image), else PyTorch's FlexAttention.
+  With verl's remove-padding every micro batch is one packed row; sdpa then gets a dense total x total
+  mask (83 ms for one 32k row of the 1.5B shape, forward + backward) where FlexAttention uses a document
+  mask (3 ms), and both keep samples apart (docs/gpu-runs.md, scripts/packing_check.py).
+- Memory: without gradient checkpointing, and with verl's fused (triton) loss that never materialises
+  the logits, a GPU holds the FSDP-sharded fp32 master weights, gradients and Adam state (16 bytes a
+  parameter, over the GPUs) plus the activations of the tokens of one micro batch. The activation cost
+  per token is calibrated on a measurement (docs/benchmarks.md: the 1.5B shape, 32,768 tokens,
+  FlexAttention, fused loss, no checkpointing: 95.1 GB peak on 1xH200) and kept with a margin.
+  Where the budget that fits is too small to be fast, checkpointing goes back on (its activations
+  are ~20x smaller); where even that cannot hold one sample of max_length, preflight refuses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024**3
+# Bytes a parameter costs on the GPUs that shard it: fp32 weights + fp32 gradients + Adam's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+# GRPO keeps a reference model beside the actor (fp32 weights, no optimizer).
+REF_BYTES_PER_PARAM = 4
+# Activation bytes per token, per layer and hidden unit, without checkpointing: measured 2.15 MB/token on
+# the 1.5B shape (28 layers x 1536) = 50 bytes; 56 keeps a margin for other shapes.
+ACT_BYTES_NO_CKPT = 56
+# With checkpointing each layer keeps its bf16 input (2 bytes/hidden unit) and one layer is recomputed.
+ACT_BYTES_CKPT_KEPT = 2
+# Fraction of the card the budget may plan for (the allocator's fragmentation, CUDA context, NCCL buffers).
+USABLE = 0.80
+CONTEXT_BYTES = 2 * GIB
+# Budgets are multiples of this (repeatable shapes for torch.compile) and capped: past 32k tokens a
+# micro batch is no faster per token, and the measured point is 32k.
+BUDGET_STEP = 1024
+MAX_BUDGET = 32768
+# Below this many tokens per micro batch, the no-checkpointing budget is slower than checkpointing.
+MIN_FAST_BUDGET = 8192
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    heads: int | None = None
+    kv_heads: int | None = None
+
+    @property
+    def params(self) -> int:
+        """Parameters of a dense decoder (Qwen2/Llama): q and o projections h^2 each, k and v h x kv_dim
+        each (grouped-query attention), MLP 3 h i, embeddings (twice unless tied)."""
+        kv_dim = self.hidden * (self.kv_heads or self.heads or 1) // (self.heads or 1)
+        per_layer = 2 * self.hidden**2 + 2 * self.hidden * kv_dim + 3 * self.hidden * self.intermediate
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+def model_shape(model_path: Path | None) -> ModelShape | None:
+    """The shape of a Hugging Face model from its config.json; None where it cannot be read."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    config = config.get("text_config") or config
+    try:
+        hidden = int(config["hidden_size"])
+        return ModelShape(layers=int(config["num_hidden_layers"]), hidden=hidden,
+                          intermediate=int(config.get("intermediate_size") or 4 * hidden),
+                          vocab=int(config.get("vocab_size") or 32000),
+                          tied=bool(config.get("tie_word_embeddings", False)),
+                          heads=config.get("num_attention_heads"),
+                          kv_heads=config.get("num_key_value_heads"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def gpu_memory_bytes() -> int | None:
+    """Memory of the smallest GPU this node sees (nvidia-smi answers in milliseconds; torch would take
+    seconds to import); None where it cannot be read."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(float(x)) for x in out.stdout.split() if x.strip().replace(".", "", 1).isdigit()]
+    return min(sizes) * 1024**2 if out.returncode == 0 and sizes else None
+
+
+def attention() -> tuple[str, str]:
+    """(attn_implementation, why) for the trainer on this node."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2", "flash-attn is installed"
+    return "flex_attention", "flash-attn is not installed here (the image has it); FlexAttention keeps packed samples apart"
+
+
+def liger() -> bool:
+    """Whether Liger's kernels (rmsnorm, swiglu, rope; verl's `model.use_liger`) can be used here: measured
+    1.08-1.14x on top of the rest for SFT on 1xH200, with 20 GB less memory (docs/benchmarks.md)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+@dataclass(frozen=True)
+class Budget:
+    tokens: int  # tokens per GPU per micro batch
+    checkpointing: bool
+    why: str
+
+
+def token_budget(shape: ModelShape, gpu_bytes: int, gpus: int, *, ref_model: bool = False,
+                 min_tokens: int = 1, cap: int | None = MAX_BUDGET) -> Budget | None:
+    """The largest token budget per GPU that fits (a multiple of BUDGET_STEP, at most `cap`), with
+    checkpointing off where that budget is at least MIN_FAST_BUDGET; None where not even min_tokens fit."""
+    static = shape.params * (TRAIN_BYTES_PER_PARAM + (REF_BYTES_PER_PARAM if ref_model else 0)) / max(gpus, 1)
+    free = gpu_bytes * USABLE - CONTEXT_BYTES - static
+    where = (f"{shape.params / 1e9:.2f}B parameters over {gpus} GPU(s) of {gpu_bytes / GIB:.0f} GiB: "
+             f"{static / GIB:.1f} GiB of weights, gradients and optimizer per GPU")
+    for checkpointing, per_token in (
+            (False, ACT_BYTES_NO_CKPT * shape.layers * shape.hidden),
+            (True, ACT_BYTES_CKPT_KEPT * shape.layers * shape.hidden + ACT_BYTES_NO_CKPT * shape.hidden)):
+        if free <= 0:
+            break
+        tokens = int(free // per_token) // BUDGET_STEP * BUDGET_STEP
+        tokens = min(cap, tokens) if cap else tokens
+        if tokens >= (min_tokens if checkpointing else max(MIN_FAST_BUDGET, min_tokens)):
+            return Budget(tokens, checkpointing, where)
+    return None

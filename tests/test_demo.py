@@ -1,0 +1,180 @@
+"""`make demo` on CPU: every stage but GPU training runs for real, in the demo's own plan (prep of the arith
+task, the tiny model, merge of real FSDP checkpoints written by verl's checkpoint manager in the SFT and the
+GRPO layout, eval with verl's scorer, report); its verdicts judge real files."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+from test_checkpoints import make_run  # real FSDP checkpoints through verl's checkpoint manager
+from conftest import REPO, assert_one_line_error, run_app
+
+from app.common import UserError
+
+
+def test_prep_arith_writes_disjoint_splits_that_verl_scorer_grades_1(tmp_path):
+    import pyarrow.parquet as pq
+
+    result = run_app("prep", "arith", env={"DATA_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "verl's gsm8k scorer gives every reference answer 1.0" in result.stdout
+    from verl.utils.reward_score.gsm8k import compute_score
+
+    train = pq.read_table(tmp_path / "arith" / "train.parquet").to_pylist()
+    test = pq.read_table(tmp_path / "arith" / "test.parquet").to_pylist()
+    sft = pq.read_table(tmp_path / "arith_sft" / "train.parquet").to_pylist()
+    assert len(test) == 1000 and len(train) == 9000 and len(sft) == 9000
+    questions = lambda rows: {r["extra_info"]["question"] for r in rows}  # noqa: E731
+    assert not questions(train) & questions(test)  # every test question unseen in training
+    row = test[0]
+    a, b = map(int, row["extra_info"]["question"].removeprefix("What is ").rstrip("?").split(" + "))
+    assert row["reward_model"]["ground_truth"] == str(a + b)
+    assert row["data_source"] == "openai/gsm8k"  # routed to verl's gsm8k scorer, as GSM8K is
+    assert compute_score(f"#### {a + b}", row["reward_model"]["ground_truth"]) == 1.0
+    assert compute_score(f"#### {a + b + 1}", row["reward_model"]["ground_truth"]) == 0.0
+    assert sft[0]["messages"][1] == {"role": "assistant", "content": train[0]["extra_info"]["answer"]}
+
+
+def test_plain_prep_writes_gsm8k_and_arith(tmp_path):
+    result = run_app("prep", env={"DATA_DIR": str(tmp_path), "GSM8K_SOURCE": ""})
+    assert result.returncode == 0, result.stderr
+    for sub in ("gsm8k", "gsm8k_sft", "arith", "arith_sft"):
+        assert (tmp_path / sub / "train.parquet").is_file() and (tmp_path / sub / "test.parquet").is_file()
+
+
+def test_tiny_tokenizer_splits_numbers_into_digits():
+    from app.tiny import build_tokenizer
+
+    tokens = build_tokenizer().tokenize("What is 47 + 138? #### 185")
+    assert [t for t in tokens if t.isdigit()] == ["4", "7", "1", "3", "8", "1", "8", "5"]
+
+
+def test_demo_without_gpu_stops_with_one_line_and_writes_nothing(tmp_path):
+    root = tmp_path / "demo"
+    line = assert_one_line_error(run_app("demo", env={"DEMO_DIR": str(root), "CUDA_VISIBLE_DEVICES": ""}))
+    assert "needs a GPU" in line and "DRY_RUN=1" in line
+    assert not root.exists()
+
+
+def test_demo_dry_run_lists_every_stage_in_order(tmp_path):
+    root = tmp_path / "demo"
+    result = run_app("demo", env={"DEMO_DIR": str(root), "DRY_RUN": "1", "DEMO_SFT_STEPS": "30",
+                                  "DEMO_GRPO_STEPS": "8"})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    order = ["prep arith", "tiny-model", "app sft", "STEP=30", "eval --data", "app grpo-head", "STEP=8",
+             "eval --data", "report"]
+    positions = [out.index(word) for word in order[:3]]
+    assert positions == sorted(positions)
+    for expected in order + [f"MODEL_PATH={root / 'sft-model'}", "trainer.total_training_steps=30",
+                             "trainer.total_training_steps=8", "actor_rollout_ref.rollout.n=8"]:
+        assert expected in out, expected
+    assert out.index("app sft") < out.index("app grpo-head")
+    assert not root.exists()
+
+
+def test_demo_refuses_too_few_steps(tmp_path):
+    line = assert_one_line_error(run_app("demo", env={"DEMO_DIR": str(tmp_path), "DEMO_GRPO_STEPS": "2",
+                                                      "DRY_RUN": "1"}))
+    assert "DEMO_GRPO_STEPS=2" in line
+
+
+def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir, monkeypatch):
+    """The demo's own stages (same argv and settings), with the two training stages replaced by real FSDP
+    checkpoints of the tiny model written on CPU in the SFT and GRPO layouts."""
+    from app import demo
+    from app.smoke import run_stage
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path / "demo"))
+    monkeypatch.setenv("DEMO_SFT_STEPS", "4")
+    monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
+    root, stages = demo.plan()
+    by_name = {s.name: s for s in stages}
+    run_stage(by_name["prep"])
+    run_stage(by_name["tiny-model"])
+    make_run(root / "sft", root / "model", world_size=2, step=4, layout="sft")
+    run_stage(by_name["merge-sft"])
+    run_stage(by_name["eval-sft"])
+    make_run(root / "grpo", root / "sft-model", world_size=1, step=4, layout="grpo")
+    run_stage(by_name["merge-grpo"])
+    run_stage(by_name["eval-grpo"])
+    for name in ("eval-sft", "eval-grpo"):
+        summary = demo.read_summary(root / name)
+        assert summary["rows"] == 1000 and summary["backend"] == "hf"
+        assert 0.0 <= summary["accuracy"] <= 1.0
+    # the stage order of the plan is the pipeline of the issue
+    assert [s.name for s in stages] == ["prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo",
+                                        "merge-grpo", "eval-grpo", "report"]
+
+
+def _write_grpo_log(run, rewards, monkeypatch):
+    """GRPO metrics written by verl's own FileLogger, where tracking_env points it."""
+    from verl.utils.tracking import FileLogger
+
+    from app.tracking import tracking_env
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", tracking_env(run)["VERL_FILE_LOGGER_PATH"])
+    logger = FileLogger("demo", "test")
+    for step, reward in enumerate(rewards, 1):
+        logger.log({"critic/score/mean": reward, "actor/pg_loss": 0.1}, step)
+    logger.finish()
+
+
+def test_reward_check_passes_on_rising_reward_from_verl_file_logger(tmp_path, monkeypatch):
+    from app.demo import read_rewards, reward_rose
+
+    _write_grpo_log(tmp_path, [0.2, 0.25, 0.3, 0.4, 0.45, 0.5, 0.6, 0.62], monkeypatch)
+    first, last = reward_rose(read_rewards(tmp_path))
+    assert first == pytest.approx(0.225) and last == pytest.approx(0.61)
+
+
+@pytest.mark.parametrize("rewards", [[0.3] * 8, [0.6, 0.5, 0.4, 0.3, 0.3, 0.2, 0.1, 0.1], [0.1, 0.2]])
+def test_reward_check_fails_on_flat_falling_or_short_curve(tmp_path, monkeypatch, rewards):
+    from app.demo import read_rewards, reward_rose
+
+    _write_grpo_log(tmp_path, rewards, monkeypatch)
+    with pytest.raises(UserError):
+        reward_rose(read_rewards(tmp_path))
+
+
+def test_accuracy_margin_is_three_standard_errors_and_gates_the_verdict():
+    from app.demo import accuracy_improved, accuracy_margin
+
+    margin = accuracy_margin(0.4, 0.5, 1000)
+    assert margin == pytest.approx(3 * math.sqrt((0.24 + 0.25) / 1000))
+    assert accuracy_improved(0.4, 0.5, 1000) == pytest.approx(margin)  # +10.0% > 6.6%
+    with pytest.raises(UserError, match="more than noise"):
+        accuracy_improved(0.4, 0.45, 1000)  # +5.0% < 6.7%
+    with pytest.raises(UserError, match="at least 500"):
+        accuracy_improved(0.1, 0.9, 200)
+    with pytest.raises(UserError, match="more than noise"):
+        accuracy_improved(0.0, 0.0, 1000)  # both zero: the floor keeps the margin positive
+
+
+def test_demo_is_a_make_target_listed_in_help():
+    import subprocess
+
+    out = subprocess.run(["make", "help", "RUNTIME=local"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "make demo" in out
+    dry = subprocess.run(["make", "-n", "demo", "RUNTIME=local", f"PYTHON={sys.executable}"], cwd=REPO,
+                         capture_output=True, text=True).stdout
+    assert "-m app demo" in dry
+
+
+def test_a_rerun_skips_stages_that_finished_with_the_same_settings(tmp_path, monkeypatch):
+    from app import demo
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    _, stages = demo.plan()
+    stage = stages[0]
+    marker = tmp_path / "stages" / f"{stage.name}.json"
+    record = {"argv": stage.argv[1:], "env": stage.env}
+    assert not demo._finished(marker, record)
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({**record, "seconds": 1.0}))
+    assert demo._finished(marker, record)
+    changed = {"argv": record["argv"], "env": {**stage.env, "DATA_DIR": str(tmp_path / "other")}}
+    assert not demo._finished(marker, changed)  # other settings: the stage runs again

@@ -1,0 +1,110 @@
+"""app.perf: the token budget and checkpointing that fit a GPU, for the shapes of real models (their
+config.json as app.tiny writes them), and preflight's refusal of a budget that cannot fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_config import data_dir, launch_env  # noqa: F401  (fixtures: tiny model, real parquet)
+
+from app import perf
+from app.common import UserError
+
+GIB = perf.GIB
+H200, H100_80, A100_40 = 141 * GIB, 80 * GIB, 40 * GIB
+
+
+def shape_of(preset: str, tmp_path) -> perf.ModelShape:
+    """The shape app.perf reads from the config.json of a model of `preset`'s shape."""
+    from app.tiny import build_model
+
+    model = build_model(preset, vocab_size=151936, num_hidden_layers=1) if preset == "tiny" else None
+    if model is None:  # the real shapes: write only the config (no weights needed)
+        from transformers import Qwen2Config
+
+        from app.tiny import PRESETS
+
+        Qwen2Config(**PRESETS[preset]).save_pretrained(tmp_path)
+    else:
+        model.config.save_pretrained(tmp_path)
+    shape = perf.model_shape(tmp_path)
+    assert shape is not None
+    return shape
+
+
+def test_param_count_of_the_qwen_shapes_is_close_to_the_real_models(tmp_path):
+    assert shape_of("qwen2.5-1.5b", tmp_path / "a").params == pytest.approx(1.54e9, rel=0.08)
+    assert shape_of("qwen2.5-0.5b", tmp_path / "b").params == pytest.approx(0.49e9, rel=0.12)
+
+
+def test_h200_budget_for_the_1_5b_shape_is_the_measured_32k_without_checkpointing(tmp_path):
+    budget = perf.token_budget(shape_of("qwen2.5-1.5b", tmp_path), H200, gpus=1)
+    assert budget.tokens == 32768 and budget.checkpointing is False
+
+
+def test_smaller_cards_get_a_smaller_budget_that_fits_the_calibrated_activation_cost(tmp_path):
+    shape = shape_of("qwen2.5-1.5b", tmp_path)
+    b80 = perf.token_budget(shape, H100_80, gpus=1)
+    assert 8192 <= b80.tokens < 32768 and not b80.checkpointing
+    # what the budget plans for stays under the usable part of the card
+    used = shape.params * perf.TRAIN_BYTES_PER_PARAM + b80.tokens * perf.ACT_BYTES_NO_CKPT * shape.layers * shape.hidden
+    assert used + perf.CONTEXT_BYTES <= H100_80 * perf.USABLE
+    # 40 GB: too little left for a fast budget, so checkpointing goes back on
+    b40 = perf.token_budget(shape, A100_40, gpus=1)
+    assert b40.checkpointing is True and b40.tokens >= 4096
+
+
+def test_more_gpus_shard_the_weights_and_free_room_for_tokens(tmp_path):
+    shape = shape_of("qwen2.5-1.5b", tmp_path)
+    assert perf.token_budget(shape, A100_40, gpus=8).checkpointing is False
+
+
+def test_a_model_too_big_for_the_gpus_gets_no_budget(tmp_path):
+    big = perf.ModelShape(layers=80, hidden=8192, intermediate=29568, vocab=152064, tied=False)  # ~72B
+    assert perf.token_budget(big, H100_80, gpus=1) is None
+    assert perf.token_budget(big, H100_80, gpus=64) is not None
+
+
+def test_grpo_budget_accounts_for_the_reference_model(tmp_path):
+    shape = shape_of("qwen2.5-1.5b", tmp_path)
+    assert (perf.token_budget(shape, H100_80, 1, ref_model=True).tokens
+            < perf.token_budget(shape, H100_80, 1).tokens)
+
+
+def test_model_shape_of_a_missing_or_broken_config_is_none(tmp_path):
+    assert perf.model_shape(tmp_path) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert perf.model_shape(tmp_path) is None
+
+
+@pytest.fixture
+def sft_plan(launch_env, tmp_path, monkeypatch):
+    """A composed SFT config for a 1.5B-shaped model directory (config + tokenizer, no weights needed)."""
+    import shutil
+
+    from app import config as cfgmod
+
+    model = tmp_path / "m15"
+    shape_of("qwen2.5-1.5b", model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(launch_env["MODEL_PATH"]) / name, model / name)
+    monkeypatch.setenv("MODEL_PATH", str(model))
+    return cfgmod
+
+
+def test_preflight_refuses_a_budget_that_cannot_fit_and_says_the_largest(sft_plan, monkeypatch):
+    cfgmod = sft_plan
+    monkeypatch.setenv("ARGS", "data.max_token_len_per_gpu=65536 model.enable_gradient_checkpointing=false")
+    plan = cfgmod.preflight("sft")  # no GPU here: nothing to check against
+    with pytest.raises(UserError, match=r"data.max_token_len_per_gpu=65536 does not fit .* at most 16384"):
+        cfgmod.check_budgets(plan.settings, plan.config, gpu=H100_80)
+    cfgmod.check_budgets(plan.settings, plan.config, gpu=H200 * 2)  # a card twice an H200's size holds it
+
+
+def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan, monkeypatch):
+    cfgmod = sft_plan
+    plan = cfgmod.preflight("sft")
+    with pytest.raises(UserError, match="does not fit 1 GPU"):
+        cfgmod.check_budgets(plan.settings, plan.config, gpu=16 * GIB)
