@@ -1,74 +1,31 @@
-"""Composition and preflight of the SFT and GRPO configs (`python -m app config|check sft|grpo`).
+"""Preflight (`python -m app check|config sft|grpo`): what a launch on this node needs, composed and
+checked before anything starts.
 
-configs/sft.yaml and configs/grpo.yaml sit on top of verl 0.9.1's packaged `sft_trainer_engine` and
-`ppo_trainer` (Hydra `defaults`). The per-machine values come from the environment and are rendered as
-Hydra overrides (`render_overrides`), with the user's ARGS appended last; launch hands the identical
-`--config-dir/--config-name/overrides` to verl's entry point, so verl composes the same config we check.
-
-Composition here is in-process with Hydra's compose API over verl's config *directory* (found without
-importing verl, whose import pulls in torch and takes seconds): preflight + plan stays fast.
+The per-machine values come from the settings (app/settings.py) and become the stack's own Hydra
+overrides (`stack_overrides`); the user's ARGS stay a field of their own and are joined once, last, in
+Preflight.hydra_overrides(), so that the user has the last word and nothing slices them back off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import json
-import os
-import re
-import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, env, env_int, run_dir, say, warn
+from app.common import ArgParser, UserError, say, warn
+from app.composition import (BASE_CONFIG, LOGGER_PACKAGES, MODEL_KEY, ROLLOUT_ENGINES, attention_overrides,
+                             check_job, check_profile_keys, compose, hydra_value, verl_validate)
+from app.runs import model_dir_problems, run_dir
+from app.settings import Settings
 
-CONFIG_DIR = REPO_ROOT / "configs"
-
-# job -> verl's packaged config it extends, and verl's entry point
-BASE_CONFIG = {"sft": "sft_trainer_engine", "grpo": "ppo_trainer"}
-ENTRY_POINT = {"sft": "verl.trainer.sft_trainer", "grpo": "verl.trainer.main_ppo"}
-
-# Keys our profiles add on purpose although verl's packaged config does not declare them; any other
-# key of configs/*.yaml must exist in verl's config, so that a misspelt key fails as verl would fail.
-PROFILE_NEW_KEYS = {
-    "sft": {"model.override_config.attn_implementation"},
-    "grpo": {
-        "actor_rollout_ref.model.override_config.attn_implementation",
-        "actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend",
-        "ray_kwargs.ray_init.address",
-    },
-}
-
-# Where in each job's config the pieces preflight looks at live.
-MODEL_KEY = {"sft": "model", "grpo": "actor_rollout_ref.model"}
-ROLLOUT_ENGINES = ("vllm", "sglang", "trtllm")
-# trainer.logger backends verl imports at start (verl/utils/tracking.py) -> the package that must be here
-LOGGER_PACKAGES = {"wandb": "wandb", "vemlp_wandb": "wandb", "swanlab": "swanlab", "mlflow": "mlflow",
-                   "clearml": "clearml", "trackio": "trackio", "tensorboard": "tensorboard"}
-
-
-@functools.lru_cache(maxsize=1)
-def verl_config_dir() -> Path:
-    """verl's packaged Hydra configs, located without importing verl (its import costs seconds)."""
-    package = verl_dir()
-    if package is None:
-        raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
-    return package / "trainer" / "config"
-
-
-def check_job(job: str) -> str:
-    if job not in BASE_CONFIG:
-        raise UserError(f"unknown job {job!r}: use sft or grpo")
-    return job
-
-
-# --- settings from the environment -----------------------------------------------------------------
+# --- what a launch on this node needs ---------------------------------------------------------------
 @dataclass
-class Settings:
-    """What a launch on this node needs, read from the environment (Make exports every variable)."""
+class Launch:
+    """The settings of one job's launch on this node, resolved (paths absolute, GPUs counted)."""
 
     job: str
     nnodes: int
@@ -83,9 +40,11 @@ class Settings:
     model_path: Path | None
     train_file: Path
     val_file: Path | None
+    val_file_given: bool
     run_dir: Path
     experiment: str
-    args: list[str]
+    project: str | None
+    args: list[str]  # the user's ARGS, joined last (Preflight.hydra_overrides)
     relative: list[str] = field(default_factory=list)  # NAME=value the user gave as relative paths
 
     @property
@@ -101,13 +60,13 @@ class Settings:
         return f"{self.head_ip or '127.0.0.1'}:{self.ray_port}"
 
 
-def count_gpus() -> tuple[int | None, str]:
+def count_gpus(visible: str | None) -> tuple[int | None, str]:
     """GPUs this node can see, and how we know; (None, why) where they cannot be counted.
 
     nvidia-smi and the driver's /proc entries answer in milliseconds; importing torch for
     torch.cuda.device_count() would cost seconds on every preflight, so it is not used.
+    `visible` is CUDA_VISIBLE_DEVICES (None: unset; "" hides every GPU, as CUDA reads it).
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     total: int | None = None
     source = ""
     smi = shutil.which("nvidia-smi")
@@ -136,90 +95,58 @@ def count_gpus() -> tuple[int | None, str]:
     return total, source
 
 
-def _path_setting(name: str, default: Path | None, relative: list[str]) -> Path | None:
-    raw = env(name)
-    if raw is None:
-        return default.resolve() if default is not None else None
+def _path_setting(settings: Settings, name: str, default: Path | None, relative: list[str]) -> Path | None:
+    if not settings.is_set(name):  # the registry's default (DATA_DIR=data), else `default`
+        fallback = settings[name] if settings[name] is not None else default
+        return Path(fallback).resolve() if fallback is not None else None
+    raw = settings[name]
     path = Path(raw).expanduser()
     if not path.is_absolute():
         relative.append(f"{name}={raw}")
     return path.resolve()
 
 
-def read_settings(job: str) -> Settings:
-    """The launch settings of `job` on this node, from the environment."""
+def read_launch(job: str, settings: Settings) -> Launch:
+    """The launch settings of `job` on this node."""
     check_job(job)
     relative: list[str] = []
-    nnodes = env_int("NNODES", 1)
-    node_rank = env_int("NODE_RANK", 0)
-    gpus_seen, gpu_source = count_gpus()
-    gpus_per_node = env_int("GPUS_PER_NODE", gpus_seen if gpus_seen else 1)
-    data_dir = _path_setting("DATA_DIR", Path("data"), relative)
+    gpus_seen, gpu_source = count_gpus(settings["CUDA_VISIBLE_DEVICES"])
+    data_dir = _path_setting(settings, "DATA_DIR", None, relative)
     sub = "gsm8k_sft" if job == "sft" else "gsm8k"
-    train_file = _path_setting("TRAIN_FILE", data_dir / sub / "train.parquet", relative)
-    val_file = _path_setting("VAL_FILE", data_dir / sub / "test.parquet", relative)
-    if env("CKPT_DIR") and not Path(env("CKPT_DIR")).expanduser().is_absolute():
-        relative.append(f"CKPT_DIR={env('CKPT_DIR')}")
-    try:
-        args = shlex.split(env("ARGS", "") or "")
-    except ValueError as exc:
-        raise UserError(f"ARGS cannot be split like a shell line ({exc}): check its quotes") from None
-    return Settings(
+    if settings["CKPT_DIR"] and not Path(settings["CKPT_DIR"]).expanduser().is_absolute():
+        relative.append(f"CKPT_DIR={settings['CKPT_DIR']}")
+    run = run_dir(job, settings)
+    return Launch(
         job=job,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        gpus_per_node=gpus_per_node,
+        nnodes=settings["NNODES"],
+        node_rank=settings["NODE_RANK"],
+        gpus_per_node=settings.get("GPUS_PER_NODE", gpus_seen if gpus_seen else 1),
         gpus_seen=gpus_seen,
         gpu_source=gpu_source,
-        master_addr=env("MASTER_ADDR"),
-        master_port=env_int("MASTER_PORT", 29500),
-        head_ip=env("HEAD_IP"),
-        ray_port=env_int("RAY_PORT", 6379),
-        model_path=_path_setting("MODEL_PATH", None, relative),
-        train_file=train_file,
-        val_file=val_file,
-        run_dir=run_dir(job),
-        experiment=env("EXPERIMENT") or run_dir(job).name,
-        args=args,
+        master_addr=settings["MASTER_ADDR"],
+        master_port=settings["MASTER_PORT"],
+        head_ip=settings["HEAD_IP"],
+        ray_port=settings["RAY_PORT"],
+        model_path=_path_setting(settings, "MODEL_PATH", None, relative),
+        train_file=_path_setting(settings, "TRAIN_FILE", data_dir / sub / "train.parquet", relative),
+        val_file=_path_setting(settings, "VAL_FILE", data_dir / sub / "test.parquet", relative),
+        val_file_given=settings.is_set("VAL_FILE"),
+        run_dir=run,
+        experiment=settings.get("EXPERIMENT", run.name),
+        project=settings["PROJECT"],
+        args=list(settings.get("ARGS", ())),
         relative=relative,
     )
 
 
-# --- overrides ---------------------------------------------------------------------------------------
-_PLAIN_VALUE = re.compile(r"[A-Za-z0-9_\-./~:@%+]+")
-
-
-def hydra_value(value: object) -> str:
-    """A value as Hydra's override grammar reads it: plain when safe, else a quoted string."""
-    text = str(value)
-    if _PLAIN_VALUE.fullmatch(text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def attention_overrides(job: str) -> tuple[list[str], str | None]:
-    """Overrides that choose the trainer's attention implementation here, and a note for the user.
-
-    verl asks transformers for flash_attention_2 unless told otherwise; without the flash-attn package
-    that fails at model load, so where flash-attn is missing we switch to sdpa. sdpa keeps packed samples
-    apart under remove-padding with transformers 5.9 (per-sample losses packed == alone, CPU and H200:
-    docs/gpu-runs.md, scripts/packing_check.py); should a transformers change break that, this one
-    function must also turn remove-padding off or refuse. An attn_implementation in ARGS wins (later).
-    """
-    if importlib.util.find_spec("flash_attn") is not None:
-        return [], None
-    return [f"{MODEL_KEY[job]}.override_config.attn_implementation=sdpa"], (
-        "flash-attn is not installed here: the trainer uses attn_implementation=sdpa (the image ships flash-attn)")
-
-
-def render_overrides(s: Settings, extra: list[str] | None = None) -> list[str]:
-    """Hydra overrides for `s` (environment-derived first, then ARGS, so the user has the last word)."""
+def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
+    """The stack's own Hydra overrides for `s` (the user's ARGS are not among them: they come last)."""
     out: list[str] = []
     model = MODEL_KEY[s.job]
     if s.model_path is not None:
         out.append(f"{model}.path={hydra_value(s.model_path)}")
     out.append(f"data.train_files={hydra_value(s.train_file)}")
-    if s.val_file is not None and (s.val_file.exists() or env("VAL_FILE") or s.job == "grpo"):
+    if s.val_file is not None and (s.val_file.exists() or s.val_file_given or s.job == "grpo"):
         out.append(f"data.val_files={hydra_value(s.val_file)}")
     out += [
         f"trainer.default_local_dir={hydra_value(s.run_dir)}",
@@ -227,171 +154,42 @@ def render_overrides(s: Settings, extra: list[str] | None = None) -> list[str]:
         f"trainer.nnodes={s.nnodes}",
         f"trainer.n_gpus_per_node={s.gpus_per_node}",
     ]
-    if env("PROJECT"):
-        out.append(f"trainer.project_name={hydra_value(env('PROJECT'))}")
+    if s.project:
+        out.append(f"trainer.project_name={hydra_value(s.project)}")
     out += extra or []
     if s.job == "grpo":
         out.append(f"ray_kwargs.ray_init.address={hydra_value(s.ray_address)}")
-    return out + s.args
-
-
-@functools.cache
-def _omegaconf_libyaml_loader():
-    """OmegaConf's own YAML loader class (its constructors, float and timestamp resolvers, duplicate-key
-    check) parsing with libyaml's C parser instead of PyYAML's pure-Python one; None without libyaml."""
-    import yaml
-    from omegaconf import _utils
-
-    if not getattr(yaml, "__with_libyaml__", False):
-        return None
-
-    class LibyamlOmegaConfLoader(yaml.cyaml.CParser, _utils.get_yaml_loader()):
-        def __init__(self, stream):  # as yaml.CSafeLoader: C parser, Python constructor and resolver
-            yaml.cyaml.CParser.__init__(self, stream)
-            yaml.constructor.SafeConstructor.__init__(self)
-            yaml.resolver.Resolver.__init__(self)
-
-    return LibyamlOmegaConfLoader
-
-
-@contextlib.contextmanager
-def libyaml_for_omegaconf(enabled: bool = True):
-    """While composing, OmegaConf parses YAML with libyaml (same loader otherwise, same result).
-
-    Why: PyYAML's pure-Python parser is ~40% of Hydra composing verl's ppo_trainer (30 files), the
-    largest part of the preflight's 2 s budget; OmegaConf has no option for the C parser, so its loader
-    factory is swapped for the duration and restored after. `enabled=False` composes the stock way.
-    """
-    from omegaconf import _utils
-
-    loader = _omegaconf_libyaml_loader() if enabled else None
-    if loader is None:
-        yield
-        return
-    stock = _utils.get_yaml_loader
-    _utils.get_yaml_loader = lambda: loader
-    try:
-        yield
-    finally:
-        _utils.get_yaml_loader = stock
-
-
-def compose(job: str, overrides: list[str], *, libyaml: bool = True):
-    """verl's config for `job` as verl's entry point will compose it (struct mode: unknown keys fail).
-
-    libyaml=False parses the YAML files with PyYAML's pure-Python parser, as verl's own entry point does
-    (the result is the same; scripts/bench_preflight.sh compares both)."""
-    import yaml
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    search = f"hydra.searchpath=[file://{verl_config_dir()}]"
-    try:
-        with libyaml_for_omegaconf(libyaml), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            return hydra_compose(config_name=job, overrides=[search, *overrides])
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
-        first = " ".join(str(exc).split())
-        raise UserError(f"the {job} config does not compose: {first} (check ARGS and configs/{job}.yaml)") \
-            from None
-
-
-def _leaf_keys(node, prefix: str = "") -> list[str]:
-    out = []
-    for key, value in node.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out += _leaf_keys(value, path + ".")
-        else:
-            out.append(path)
     return out
-
-
-def _has_key(cfg, dotted: str) -> bool:
-    """Whether `cfg` (a DictConfig or a plain dict) declares the dotted key, even as ??? or null."""
-    from omegaconf import DictConfig
-
-    node = cfg
-    for part in dotted.split("."):
-        if isinstance(node, DictConfig) and part in node.keys():
-            node = node._get_node(part)
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            return False
-    return True
-
-
-def _verl_base_config(job: str):
-    """verl's packaged config of `job`, without our profile.
-
-    For ppo_trainer verl ships the flattened result as _generated_ppo_trainer.yaml (regenerated and
-    checked in verl's CI): one YAML load instead of a second Hydra composition, which keeps preflight
-    fast. Elsewhere (sft_trainer_engine, small) Hydra composes it.
-    """
-    generated = verl_config_dir() / f"_generated_{BASE_CONFIG[job]}.yaml"
-    if generated.is_file():
-        import yaml
-
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        return yaml.load(generated.read_text(), Loader=loader)  # a plain dict: only its keys are read
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with libyaml_for_omegaconf(), initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-        return hydra_compose(config_name=BASE_CONFIG[job])
-
-
-def check_profile_keys(job: str) -> None:
-    """Every key of configs/<job>.yaml must exist in verl's packaged config (except PROFILE_NEW_KEYS).
-
-    Hydra merges a primary config file's own keys without struct checks, so a misspelt key there would
-    be silently carried; command-line overrides (ARGS) are already checked by Hydra itself.
-    """
-    import yaml
-
-    try:
-        profile = yaml.safe_load((CONFIG_DIR / f"{job}.yaml").read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"configs/{job}.yaml is not valid YAML: {' '.join(str(exc).split())}: fix it "
-                        "(or restore it with `git checkout configs/" + job + ".yaml`)") from None
-    profile.pop("defaults", None)
-    base = _verl_base_config(job)
-    for key in _leaf_keys(profile):
-        if key in PROFILE_NEW_KEYS[job]:
-            continue
-        if not _has_key(base, key):
-            raise UserError(
-                f"configs/{job}.yaml sets {key}, which verl 0.9.1's {BASE_CONFIG[job]} does not have: "
-                "fix the spelling (see `python -m app config " + job + "`)")
 
 
 # --- preflight ---------------------------------------------------------------------------------------
 @dataclass
 class Preflight:
-    """A checked plan: the settings, the overrides verl will get, the composed config, notes."""
+    """A checked plan: the launch settings, the stack's overrides and the user's ARGS (two fields, joined
+    once by hydra_overrides), the composed config, notes."""
 
-    settings: Settings
-    overrides: list[str]
+    launch: Launch
+    overrides: list[str]  # the stack's own
+    args: list[str]  # the user's ARGS
     config: object
     notes: list[str] = field(default_factory=list)  # printed after success (ok: ...)
     warnings: list[str] = field(default_factory=list)  # printed after success (warning: ...)
 
     @property
     def job(self) -> str:
-        return self.settings.job
+        return self.launch.job
+
+    def hydra_overrides(self, extra: list[str] | None = None) -> list[str]:
+        """What verl gets: the stack's overrides, then `extra` (launch's), then ARGS, which win."""
+        return [*self.overrides, *(extra or []), *self.args]
 
 
-def _model_dir_problem(path: Path) -> str | None:
-    if not path.is_dir():
-        return f"{path} is not a directory"
-    if not (path / "config.json").is_file():
-        return f"{path} has no config.json"
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((path / name).is_file() for name in tokenizer_files):
-        return f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json)"
-    return None
+def model_problem(model: Path) -> str | None:
+    """The first thing MODEL_PATH's directory lacks, as a sentence about it; None when complete."""
+    problems = model_dir_problems(model)
+    if not problems:
+        return None
+    return f"{model} is not a directory" if problems == ["not a directory"] else f"{model} has {problems[0]}"
 
 
 def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]) -> None:
@@ -419,30 +217,28 @@ def _sp_size(cfg, job: str) -> int:
                _int(cfg, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1))
 
 
-def refuse_stale_environment() -> None:
+def refuse_stale_environment(settings: Settings) -> None:
     """Variables from older walkthroughs that now do nothing (silently): refuse them with what to do."""
-    if os.environ.get("VLLM_ATTENTION_BACKEND"):
+    if settings["VLLM_ATTENTION_BACKEND"]:
         raise UserError(
-            f"VLLM_ATTENTION_BACKEND={os.environ['VLLM_ATTENTION_BACKEND']} is set, but vLLM 0.24 ignores it "
+            f"VLLM_ATTENTION_BACKEND={settings['VLLM_ATTENTION_BACKEND']} is set, but vLLM 0.24 ignores it "
             "(and has no XFORMERS backend): unset it; the backend is chosen in configs/grpo.yaml "
             "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
 
 
-def preflight(job: str, *, deep: bool = False) -> Preflight:
+def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
 
     deep=True also runs verl's own validate_config (GRPO), which imports verl (seconds, no GPU needed).
     """
     from omegaconf import OmegaConf
 
-    s = read_settings(job)
+    s = read_launch(job, settings)
     notes: list[str] = []
     warnings: list[str] = []
 
-    # -- the environment of this node
-    refuse_stale_environment()
-    if s.nnodes < 1:
-        raise UserError(f"NNODES={s.nnodes}: set NNODES to the number of machines (1 or more)")
+    # -- the environment of this node (each value's type and range: app/settings.py, already checked)
+    refuse_stale_environment(settings)
     if not 0 <= s.node_rank < s.nnodes:
         raise UserError(f"NODE_RANK={s.node_rank} is outside [0, NNODES={s.nnodes}): give each machine its own "
                         f"rank 0..{s.nnodes - 1} (0 on the {'head' if job == 'grpo' else 'master'})")
@@ -468,16 +264,16 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
     if s.model_path is None:
         raise UserError("MODEL_PATH is not set: point it at a local Hugging Face model directory "
                         "(config.json + tokenizer; nothing is downloaded)")
-    problem = _model_dir_problem(s.model_path)
+    problem = model_problem(s.model_path)
     if problem:
         raise UserError(f"MODEL_PATH: {problem}: point MODEL_PATH at a Hugging Face model directory "
-                        "with config.json and the tokenizer files")
+                        "with config.json, the tokenizer files and the weights")
 
     # -- compose (ARGS included) and check the config itself
     check_profile_keys(job)
     attn, attn_note = attention_overrides(job)
-    overrides = render_overrides(s, attn)
-    cfg = compose(job, overrides)
+    overrides = stack_overrides(s, attn)
+    cfg = compose(job, [*overrides, *s.args])
     if attn_note:
         warnings.append(attn_note)
     _check_config(s, cfg, notes, warnings)
@@ -495,10 +291,10 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
     if deep and job == "grpo":
         verl_validate(cfg)
         notes.append("verl's validate_config: passed")
-    return Preflight(settings=s, overrides=overrides, config=cfg, notes=notes, warnings=warnings)
+    return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
 
 
-def _check_config(s: Settings, cfg, notes: list[str], warnings: list[str]) -> None:
+def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None:
     from omegaconf import OmegaConf
 
     job = s.job
@@ -595,25 +391,6 @@ def _attention_heads(model_path: Path | None) -> int | None:
     return config.get("num_attention_heads") or (config.get("text_config") or {}).get("num_attention_heads")
 
 
-def verl_validate(cfg) -> None:
-    """verl's own validate_config (GRPO), which main_ppo runs only once the driver starts.
-
-    It imports verl (and torch): seconds, so only `check` and the real grpo-head launch run it.
-    """
-    import contextlib
-    import io
-    import warnings
-
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-
-    try:
-        # its "all checks passed" print and the critic-disabled notice would drown our one-line summary
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    except (AssertionError, ValueError, TypeError) as exc:
-        raise UserError(f"verl's validate_config rejects the grpo config: {' '.join(str(exc).split())}") from None
 
 
 def report(plan: Preflight) -> None:
@@ -625,22 +402,25 @@ def report(plan: Preflight) -> None:
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog=f"python -m app {command}")
-    parser.add_argument("job", choices=sorted(BASE_CONFIG), help="sft or grpo")
+    # make check JOB=grpo: the job may come from JOB (default sft)
+    parser.add_argument("job", nargs="?" if command == "check" else None, choices=sorted(BASE_CONFIG),
+                        help="sft or grpo" + (" (default: JOB, else sft)" if command == "check" else ""))
     if command == "config":
         parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")
     args = parser.parse_args(argv)
     if command == "check":
-        plan = preflight(args.job, deep=True)
+        job = args.job or settings.get("JOB", "sft")
+        plan = preflight(job, settings, deep=True)
         report(plan)
-        say(f"preflight {args.job}: passed (run dir {plan.settings.run_dir})")
+        say(f"preflight {job}: passed (run dir {plan.launch.run_dir})")
         return 0
     # config: print what verl will see, without the checks (MODEL_PATH may still be unset)
     from omegaconf import OmegaConf
 
-    s = read_settings(args.job)
+    s = read_launch(args.job, settings)
     check_profile_keys(args.job)
-    cfg = compose(args.job, render_overrides(s, attention_overrides(args.job)[0]))
+    cfg = compose(args.job, [*stack_overrides(s, attention_overrides(args.job)[0]), *s.args])
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0
