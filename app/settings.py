@@ -270,7 +270,9 @@ def parse(var: Var, raw: str) -> Any:
             return raw
         raise ValueError(raw)
     if kind == "flag":
-        return _FLAGS[raw.strip().lower()]  # KeyError is a ValueError's cousin: caught below too
+        if raw.strip().lower() not in _FLAGS:
+            raise ValueError(raw)
+        return _FLAGS[raw.strip().lower()]
     if kind == "choice":
         if raw not in var.choices:
             raise ValueError(raw)
@@ -299,7 +301,7 @@ def _value(var: Var, raw: str | None, source: str) -> Value:
         return Value(None, "default", None if var.default is None else parse(var, var.default))
     try:
         return Value(raw, source, parse(var, raw))
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         return Value(raw, source, error=_refusal(var, raw, source, str(exc)))
 
 
@@ -376,16 +378,14 @@ def read_dotenv(path: Path) -> dict[str, str]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def load(environ: Mapping[str, str] | None = None, *, dotenv: Mapping[str, str] | None = None,
-         env_file: Path | None = None) -> Settings:
+def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the settings once: `environ` (default: this process's environment) over ENV_FILE (default
-    ./.env) over the defaults. Bad values are kept as errors; Settings.check(command) refuses them."""
+    ./.env, where make and compose run) over the defaults. Bad values are kept as errors;
+    Settings.check(command) refuses them."""
     # The one read of the process environment: everything else gets it from here.
-    shell = {name: value for name, value in (os.environ if environ is None else environ).items()}
-    if env_file is None:
-        env_file = Path(shell.get("ENV_FILE") or ".env")
-    if dotenv is None:
-        dotenv = read_dotenv(env_file) if env_file.is_file() else {}
+    shell = dict(os.environ if environ is None else environ)
+    env_file = Path(shell.get("ENV_FILE") or ".env")
+    dotenv = read_dotenv(env_file) if env_file.is_file() else {}
     values, ignored = {}, []
     for var in REGISTRY:
         if shell.get(var.name) or (var.keep_empty and var.name in shell):
@@ -409,7 +409,7 @@ def passthrough_names() -> list[str]:
 
 
 def compose_environment() -> str:
-    """compose.yaml's `environment:` list, as it is written there (6 spaces deep, one name a line)."""
+    """compose.yaml's `environment:` list, as it is written there (one name a line, no value)."""
     return "".join(f"    - {name}\n" for name in passthrough_names())
 
 

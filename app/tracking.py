@@ -344,7 +344,7 @@ def find_swanlog(run: str | None, ckpt_dir: str | None) -> Path:
                     "(make sft or make grpo-head), or pass RUN=<run directory>")
 
 
-def board(run: str | None, ckpt_dir: str | None, host: str, port: int) -> int:
+def board(run: str | None, ckpt_dir: str | None, host: str, port: int, environ: dict[str, str]) -> int:
     try:
         ipaddress.IPv4Address(host)  # swanboard accepts IPv4 only, and fails silently otherwise
     except ValueError:
@@ -360,8 +360,8 @@ def board(run: str | None, ckpt_dir: str | None, host: str, port: int) -> int:
     say(f"serving the swanlab dashboard of {logdir} on http://{host}:{port} (Ctrl-C stops it; "
         "if the port is taken swanlab picks another and prints it)")
     # exec, not a child: Ctrl-C and `kill` reach the server itself, no orphan keeps the port
-    os.execv(sys.executable, [sys.executable, "-m", "swanlab", "watch", str(logdir), "--host", host,
-                              "--port", str(port)])
+    os.execve(sys.executable, [sys.executable, "-m", "swanlab", "watch", str(logdir), "--host", host,
+                               "--port", str(port)], environ)
 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
@@ -373,7 +373,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         parser.add_argument("--port", type=int, default=settings["BOARD_PORT"], help="BOARD_PORT")
     args = parser.parse_args(argv)
     if command == "board":
-        return board(args.run, settings["CKPT_DIR"], args.host, args.port)
+        return board(args.run, settings["CKPT_DIR"], args.host, args.port, settings.environ())
     if args.run:
         run = Path(args.run).expanduser().resolve()
     else:
