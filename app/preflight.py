@@ -3,7 +3,7 @@ checked before anything starts.
 
 The per-machine values come from the settings (app/settings.py) and become the stack's own Hydra
 overrides (`stack_overrides`); the user's ARGS stay a field of their own and are joined once, last, in
-Preflight.hydra_overrides(), so that the user has the last word and nothing slices them back off.
+with_user_args(), so that the user has the last word and nothing slices them back off.
 """
 
 from __future__ import annotations
@@ -162,6 +162,12 @@ def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
     return out
 
 
+def with_user_args(stack: list[str], args: list[str], extra: list[str] | None = None) -> list[str]:
+    """The one place the two are joined: the stack's overrides, then `extra` (launch's own), then the
+    user's ARGS, last, so that Hydra lets them win."""
+    return [*stack, *(extra or []), *args]
+
+
 # --- preflight ---------------------------------------------------------------------------------------
 @dataclass
 class Preflight:
@@ -181,7 +187,7 @@ class Preflight:
 
     def hydra_overrides(self, extra: list[str] | None = None) -> list[str]:
         """What verl gets: the stack's overrides, then `extra` (launch's), then ARGS, which win."""
-        return [*self.overrides, *(extra or []), *self.args]
+        return with_user_args(self.overrides, self.args, extra)
 
 
 def model_problem(model: Path) -> str | None:
@@ -273,7 +279,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
     check_profile_keys(job)
     attn, attn_note = attention_overrides(job)
     overrides = stack_overrides(s, attn)
-    cfg = compose(job, [*overrides, *s.args])
+    cfg = compose(job, with_user_args(overrides, s.args))
     if attn_note:
         warnings.append(attn_note)
     _check_config(s, cfg, notes, warnings)
@@ -421,6 +427,6 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
 
     s = read_launch(args.job, settings)
     check_profile_keys(args.job)
-    cfg = compose(args.job, [*stack_overrides(s, attention_overrides(args.job)[0]), *s.args])
+    cfg = compose(args.job, with_user_args(stack_overrides(s, attention_overrides(args.job)[0]), s.args))
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0

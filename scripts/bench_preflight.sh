@@ -41,7 +41,7 @@ from app.__main__ import main
 from app.settings import load
 for job in ("sft", "grpo"):
     launch = p.read_launch(job, load())
-    overrides = [*p.stack_overrides(launch, c.attention_overrides(job)[0]), *launch.args]
+    overrides = p.with_user_args(p.stack_overrides(launch, c.attention_overrides(job)[0]), launch.args)
     fast, stock = (repr(OmegaConf.to_container(c.compose(job, overrides, libyaml=flag))) for flag in (True, False))
     assert fast == stock, f"{job}: libyaml and PyYAML compose different configs"
 print("sft and grpo configs composed with libyaml == with PyYAML's pure-Python parser")
