@@ -9,12 +9,12 @@ import sys
 
 from app.common import UserError
 
-# command -> (module, one-line help). Each module exposes main(command, argv) -> int.
+# command -> (module, one-line help). Each module exposes main(command, argv, settings) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("app.data", "prepare datasets for verl: prep [gsm8k|arith] (default both)"),
     "data": ("app.data", "check (and fix) your own parquet: data check FILE [--kind rl|sft] [--fix OUT]"),
-    "check": ("app.config", "preflight: compose the sft|grpo config and reject what would fail later"),
-    "config": ("app.config", "print the composed sft|grpo config"),
+    "check": ("app.preflight", "preflight: compose the sft|grpo config and reject what would fail later"),
+    "config": ("app.preflight", "print the composed sft|grpo config"),
     "sft": ("app.launch", "launch SFT on this node (torchrun; same line on every node but NODE_RANK)"),
     "grpo-head": ("app.launch", "start the Ray head, wait for the workers, run GRPO"),
     "grpo-worker": ("app.launch", "join the Ray head and stay until it goes away"),
@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("app.smoke", "the whole pipeline on one GPU with a tiny local model"),
     "demo": ("app.demo", "proof of learning on one GPU: SFT then GRPO raise a tiny model's arith accuracy"),
     "tiny-model": ("app.tiny", "write a tiny random Qwen2 model + tokenizer (tests, smoke, benchmarks)"),
+    "settings": ("app.settings", "every variable, its value here and where it came from (shell, .env, default)"),
 }
 
 
@@ -47,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}; run `python -m app --help` for the list", file=sys.stderr)
         return 2
     try:
+        from app.settings import load
+
+        settings = load()  # the one read of the environment and .env for this command
+        settings.check(command)  # a bad value of a variable this command reads: one line, before anything
         module = importlib.import_module(COMMANDS[command][0])
-        return int(module.main(command, rest) or 0)
+        return int(module.main(command, rest, settings) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user mistake: still one line unless asked for more
+        # Read here, not from the settings: the traceback switch must work when loading them is what failed.
         if os.environ.get("APP_DEBUG"):
             raise
         print(

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, env, env_flag, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, say, warn
+from app.settings import Settings
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -332,7 +333,8 @@ def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
     return metadata
 
 
-def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> tuple[CheckReport, int]:
+def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, force: bool = False
+                ) -> tuple[CheckReport, int]:
     """Write a copy of RL file `path` to `out` with every plain-string `prompt` turned into a chat list
     (`[{"role": "user", "content": text}]`). The result is checked before it is written (atomically);
     on any problem nothing is written. Returns (report of the new file, number of prompts rewritten)."""
@@ -342,7 +344,7 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> t
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
-    if out.exists() and not env_flag("FORCE"):
+    if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
     if kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
@@ -647,15 +649,15 @@ def prep_arith(data_dir: Path | str = "data") -> dict[str, Path]:
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     if command == "prep":
         parser = ArgParser(prog="python -m app prep", description="Prepare datasets for verl: GSM8K and the "
                            "arith task (default: both).")
         parser.add_argument("dataset", nargs="?", default="all", choices=["all", "gsm8k", "arith"])
-        parser.add_argument("--source", default=env("GSM8K_SOURCE"),
+        parser.add_argument("--source", default=settings["GSM8K_SOURCE"],
                             help="directory with train/test .jsonl[.gz]/.parquet, or hf (default: GSM8K_SOURCE, "
                                  "else the bundled copy)")
-        parser.add_argument("--data-dir", default=env("DATA_DIR", "data"), help="output root (default: DATA_DIR or data)")
+        parser.add_argument("--data-dir", default=settings["DATA_DIR"], help="output root (default: DATA_DIR or data)")
         args = parser.parse_args(argv)
         if args.dataset in ("all", "gsm8k"):
             prep_gsm8k(args.source, args.data_dir)
@@ -665,13 +667,16 @@ def main(command: str, argv: list[str]) -> int:
 
     parser = ArgParser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")
     parser.add_argument("action", choices=["check"])
-    parser.add_argument("file", type=Path)
-    parser.add_argument("--kind", choices=KINDS, help="rl or sft (default: from the columns)")
-    parser.add_argument("--fix", type=Path, metavar="OUT",
-                        help="write a copy with plain-string prompts turned into chat lists to OUT")
+    # make data-check FILE=... KIND=... FIX=...: the Makefile passes them as settings, not arguments
+    parser.add_argument("file", type=Path, nargs="?" if settings["FILE"] else None, default=settings["FILE"],
+                        help="the parquet to check (FILE)")
+    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"], help="rl or sft (KIND; default: from the columns)")
+    parser.add_argument("--fix", type=Path, metavar="OUT", default=settings["FIX"],
+                        help="write a copy with plain-string prompts turned into chat lists to OUT (FIX)")
     args = parser.parse_args(argv)
+    args.file, args.fix = Path(args.file), Path(args.fix) if args.fix else None
     if args.fix is not None:
-        report, rewritten = fix_parquet(args.file, args.fix, args.kind)
+        report, rewritten = fix_parquet(args.file, args.fix, args.kind, force=settings["FORCE"])
         say(f"wrote {args.fix} ({report.rows} rows, {rewritten} string prompts rewritten as chat lists)")
     else:
         report = check_parquet(args.file, args.kind)

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from app.common import UserError, atomic_path, env, env_flag, env_int, say
+from app.common import UserError, atomic_path, say
+from app.settings import Settings
 from app.smoke import Stage, gpu_count, read_losses, run_stage
 
 # SFT of a random 2-layer model on the arith task: a big constant lr (random weights, not a pretrained
@@ -66,13 +67,10 @@ MIN_TEST_ITEMS = 500
 Z = 3.0  # standard errors: one-sided p of about 0.0013 under "GRPO changed nothing"
 
 
-def plan() -> tuple[Path, list[Stage]]:
-    root = Path(env("DEMO_DIR", "checkpoints/demo")).expanduser().resolve()
-    sft_steps = env_int("DEMO_SFT_STEPS", 300)
-    grpo_steps = env_int("DEMO_GRPO_STEPS", 40)
-    if sft_steps < 4 or grpo_steps < 4:
-        raise UserError(f"DEMO_SFT_STEPS={sft_steps}, DEMO_GRPO_STEPS={grpo_steps}: use 4 or more of each, "
-                        "so that the loss and the reward curve can be judged")
+def plan(settings: Settings) -> tuple[Path, list[Stage]]:
+    root = Path(settings["DEMO_DIR"]).expanduser().resolve()
+    # at least 4 each (the registry's minimum), so that the loss and the reward curve can be judged
+    sft_steps, grpo_steps = settings["DEMO_SFT_STEPS"], settings["DEMO_GRPO_STEPS"]
     data, model = root / "data", root / "model"
     app = [sys.executable, "-m", "app"]
     one_gpu = {"NNODES": "1", "NODE_RANK": "0", "GPUS_PER_NODE": "1", "FRESH": "1"}
@@ -166,15 +164,15 @@ def read_summary(out: Path) -> dict:
 
 # --- the command ------------------------------------------------------------------------------------
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__)
         return 0
     if argv:
         raise UserError(f"demo takes no arguments (got {' '.join(argv)}): use DEMO_DIR, DEMO_SFT_STEPS, "
                         "DEMO_GRPO_STEPS")
-    root, stages = plan()
-    if env_flag("DRY_RUN"):
+    root, stages = plan(settings)
+    if settings["DRY_RUN"]:
         say(f"demo plan (everything under {root}):")
         for i, stage in enumerate(stages, 1):
             settings = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
@@ -190,7 +188,7 @@ def main(command: str, argv: list[str]) -> int:
     started = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     done = root / "stages"
-    if env_flag("FRESH") and done.is_dir():
+    if settings["FRESH"] and done.is_dir():
         for marker in done.glob("*.json"):
             marker.unlink()
     seconds: dict[str, float] = {}
@@ -203,7 +201,7 @@ def main(command: str, argv: list[str]) -> int:
             say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
             continue
         t = time.monotonic()
-        run_stage(stage)
+        run_stage(stage, settings)
         seconds[stage.name] = round(time.monotonic() - t, 1)
         with atomic_path(marker) as tmp:
             tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name]}) + "\n")

@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.common import UserError
+
 GIB = 1024**3
 # Bytes a parameter costs on the GPUs that shard it: fp32 weights + fp32 gradients + Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
@@ -136,3 +138,76 @@ def token_budget(shape: ModelShape, gpu_bytes: int, gpus: int, *, ref_model: boo
         if tokens >= (min_tokens if checkpointing else max(MIN_FAST_BUDGET, min_tokens)):
             return Budget(tokens, checkpointing, where)
     return None
+
+
+# --- what preflight applies ------------------------------------------------------------------------
+# The keys of each job that app.perf's choices set: attention, checkpointing, and the token budgets.
+PERF_KEYS = {
+    "sft": {"model": "model", "budgets": {"data.max_token_len_per_gpu": 1}},
+    "grpo": {"model": "actor_rollout_ref.model",
+             # forward-only passes (old log-prob, ref) hold no gradients: twice the training budget
+             "budgets": {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1,
+                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 2,
+                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 2}},
+}
+
+
+def overrides(job: str, s=None) -> tuple[list[str], list[str]]:
+    """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
+
+    Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
+    under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
+    the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
+    `s` is preflight's Launch of this node. The user's ARGS come later and win; `check_budgets` then
+    refuses a budget that cannot fit.
+    """
+    keys = PERF_KEYS[job]
+    impl, why = attention()
+    out = [f"{keys['model']}.override_config.attn_implementation={impl}"]
+    notes = [f"attention: {impl} ({why})"]
+    if job == "sft" and liger():  # measured for SFT only (docs/benchmarks.md)
+        out.append("model.use_liger=True")
+        notes.append("Liger kernels: on (liger-kernel is installed)")
+    shape = model_shape(s.model_path) if s is not None and s.model_path is not None else None
+    gpu = gpu_memory_bytes()
+    if s is None or shape is None or gpu is None:
+        notes.append("token budget: the profile's (GPU memory or model shape unknown here)")
+        return out, notes
+    budget = token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo")
+    if budget is None:
+        return out, notes  # check_budgets refuses with what to do
+    out.append(f"{keys['model']}.enable_gradient_checkpointing={budget.checkpointing}")
+    out += [f"{key}={budget.tokens * factor}" for key, factor in keys["budgets"].items()]
+    notes.append(f"token budget: {budget.tokens} tokens per GPU, gradient checkpointing "
+                 f"{'on' if budget.checkpointing else 'off'} ({budget.why})")
+    return out, notes
+
+
+def check_budgets(s, cfg, gpu: int | None = None) -> None:
+    """Refuse a token budget (ARGS or profile) that cannot fit this node's GPUs, before verl runs out of
+    memory minutes into the run; nothing to check where the GPU memory or the model shape is unknown."""
+    from omegaconf import OmegaConf
+
+    shape = model_shape(s.model_path) if s.model_path is not None else None
+    gpu = gpu if gpu is not None else gpu_memory_bytes()
+    if shape is None or gpu is None:
+        return
+    keys = PERF_KEYS[s.job]
+    checkpointing = bool(OmegaConf.select(cfg, f"{keys['model']}.enable_gradient_checkpointing"))
+    gpus = s.gpus_per_node * s.nnodes
+    fits = token_budget(shape, gpu, gpus, ref_model=s.job == "grpo", cap=None)  # what fits, not what is fast
+    if fits is None:
+        raise UserError(f"the model ({shape.params / 1e9:.1f}B parameters) does not fit {gpus} GPU(s) of "
+                        f"{gpu / GIB:.0f} GiB for training (weights, gradients and Adam state alone): use "
+                        "more GPUs (NNODES, GPUS_PER_NODE) or a smaller model")
+    key, factor = next(iter(keys["budgets"].items()))
+    asked = OmegaConf.select(cfg, key)
+    limit = fits.tokens * factor
+    if fits.checkpointing and not checkpointing:
+        limit = 0  # only checkpointing fits any budget
+    if isinstance(asked, int) and asked > limit and (not checkpointing or fits.checkpointing):
+        raise UserError(f"{key}={asked} does not fit this node's {gpu / GIB:.0f} GiB GPU(s) with "
+                        f"gradient checkpointing {'on' if checkpointing else 'off'} ({fits.why}): "
+                        f"set it to at most {fits.tokens * factor}"
+                        + (f" with {keys['model']}.enable_gradient_checkpointing=true" if fits.checkpointing else "")
+                        + ", or drop it from ARGS to let preflight choose")

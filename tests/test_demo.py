@@ -79,28 +79,30 @@ def test_demo_dry_run_lists_every_stage_in_order(tmp_path):
 def test_demo_refuses_too_few_steps(tmp_path):
     line = assert_one_line_error(run_app("demo", env={"DEMO_DIR": str(tmp_path), "DEMO_GRPO_STEPS": "2",
                                                       "DRY_RUN": "1"}))
-    assert "DEMO_GRPO_STEPS=2" in line
+    assert "DEMO_GRPO_STEPS='2'" in line and ">= 4" in line
 
 
 def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir, monkeypatch):
     """The demo's own stages (same argv and settings), with the two training stages replaced by real FSDP
     checkpoints of the tiny model written on CPU in the SFT and GRPO layouts."""
     from app import demo
+    from app.settings import load
     from app.smoke import run_stage
 
     monkeypatch.setenv("DEMO_DIR", str(tmp_path / "demo"))
     monkeypatch.setenv("DEMO_SFT_STEPS", "4")
     monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
-    root, stages = demo.plan()
+    settings = load()
+    root, stages = demo.plan(settings)
     by_name = {s.name: s for s in stages}
-    run_stage(by_name["prep"])
-    run_stage(by_name["tiny-model"])
+    run_stage(by_name["prep"], settings)
+    run_stage(by_name["tiny-model"], settings)
     make_run(root / "sft", root / "model", world_size=2, step=4, layout="sft")
-    run_stage(by_name["merge-sft"])
-    run_stage(by_name["eval-sft"])
+    run_stage(by_name["merge-sft"], settings)
+    run_stage(by_name["eval-sft"], settings)
     make_run(root / "grpo", root / "sft-model", world_size=1, step=4, layout="grpo")
-    run_stage(by_name["merge-grpo"])
-    run_stage(by_name["eval-grpo"])
+    run_stage(by_name["merge-grpo"], settings)
+    run_stage(by_name["eval-grpo"], settings)
     for name in ("eval-sft", "eval-grpo"):
         summary = demo.read_summary(root / name)
         assert summary["rows"] == 1000 and summary["backend"] == "hf"
@@ -166,9 +168,10 @@ def test_demo_is_a_make_target_listed_in_help():
 
 def test_a_rerun_skips_stages_that_finished_with_the_same_settings(tmp_path, monkeypatch):
     from app import demo
+    from app.settings import load
 
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
-    _, stages = demo.plan()
+    _, stages = demo.plan(load())
     stage = stages[0]
     marker = tmp_path / "stages" / f"{stage.name}.json"
     record = {"argv": stage.argv[1:], "env": stage.env}

@@ -84,27 +84,31 @@ def sft_plan(launch_env, tmp_path, monkeypatch):
     """A composed SFT config for a 1.5B-shaped model directory (config + tokenizer, no weights needed)."""
     import shutil
 
-    from app import config as cfgmod
-
     model = tmp_path / "m15"
     shape_of("qwen2.5-1.5b", model)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        # the tiny model's weights: preflight checks that weights are there; the budget reads config.json
         shutil.copy(Path(launch_env["MODEL_PATH"]) / name, model / name)
     monkeypatch.setenv("MODEL_PATH", str(model))
-    return cfgmod
+    return model
+
+
+def _preflight_sft():
+    from app.preflight import preflight
+    from app.settings import load
+
+    return preflight("sft", load())  # no GPU here: preflight itself has nothing to check against
 
 
 def test_preflight_refuses_a_budget_that_cannot_fit_and_says_the_largest(sft_plan, monkeypatch):
-    cfgmod = sft_plan
     monkeypatch.setenv("ARGS", "data.max_token_len_per_gpu=65536 model.enable_gradient_checkpointing=false")
-    plan = cfgmod.preflight("sft")  # no GPU here: nothing to check against
+    plan = _preflight_sft()
     with pytest.raises(UserError, match=r"data.max_token_len_per_gpu=65536 does not fit .* at most 16384"):
-        cfgmod.check_budgets(plan.settings, plan.config, gpu=H100_80)
-    cfgmod.check_budgets(plan.settings, plan.config, gpu=H200 * 2)  # a card twice an H200's size holds it
+        perf.check_budgets(plan.launch, plan.config, gpu=H100_80)
+    perf.check_budgets(plan.launch, plan.config, gpu=H200 * 2)  # a card twice an H200's size holds it
 
 
-def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan, monkeypatch):
-    cfgmod = sft_plan
-    plan = cfgmod.preflight("sft")
+def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan):
+    plan = _preflight_sft()
     with pytest.raises(UserError, match="does not fit 1 GPU"):
-        cfgmod.check_budgets(plan.settings, plan.config, gpu=16 * GIB)
+        perf.check_budgets(plan.launch, plan.config, gpu=16 * GIB)
