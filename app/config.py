@@ -394,7 +394,7 @@ def _model_dir_problem(path: Path) -> str | None:
     return None
 
 
-def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]) -> None:
+def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]):
     from app.data import check_parquet
 
     if not path.exists():
@@ -403,6 +403,7 @@ def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: li
     report = check_parquet(path, kind)
     notes.append(f"{what}: {path} ({report.rows} rows, {kind})")
     warnings += list(report.notes)
+    return report
 
 
 def _int(cfg, key: str, default: int = 0) -> int:
@@ -485,10 +486,14 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
     # -- data
     kind = "sft" if job == "sft" else "rl"
     train = Path(str(OmegaConf.select(cfg, "data.train_files")))
-    _check_data(train, kind, "train file", notes, warnings)
+    train_report = _check_data(train, kind, "train file", notes, warnings)
     val = OmegaConf.select(cfg, "data.val_files")
     if val:
-        _check_data(Path(str(val)), kind, "val file", notes, warnings)
+        from app.data import compare_splits
+
+        overlap = compare_splits(train_report, _check_data(Path(str(val)), kind, "val file", notes, warnings))
+        if overlap:
+            warnings.append(overlap)
     elif job == "sft":
         warnings.append(f"no validation file ({s.val_file} missing): SFT runs without val/loss")
 

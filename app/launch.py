@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from app import config as cfgmod
-from app.common import UserError, env, env_flag, env_int, say, warn
+from app.common import UserError, env, env_flag, env_int, raise_terminated, say, warn
 
 # Variables a launch hands on to its processes (and Ray actors, through `ray start`) and shows in DRY_RUN.
 PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NVSHMEM_",
@@ -429,12 +429,10 @@ def _worker_auth(s: cfgmod.Settings) -> dict[str, str] | None:
     return ray_auth_env(s.run_dir, create=False) if token_path(s.run_dir).is_file() else None
 
 
-def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt  # so that `finally` stops what this launch started (SIGTERM from docker/kill)
-
-
 def main(command: str, argv: list[str]) -> int:
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM from docker/kill raises Terminated (a KeyboardInterrupt), so that `finally` stops what
+    # this launch started
+    signal.signal(signal.SIGTERM, raise_terminated)
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__ or "")
         return 0

@@ -311,7 +311,7 @@ def report(run: Path) -> Path:
                         "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k)")
     log = read_run(run)
     out = run / "report"
-    with atomic_path(out) as tmp:
+    with atomic_path(out, "RUN") as tmp:
         tmp.mkdir()
         plots = render(log, tmp)
         (tmp / "summary.txt").write_text(summary_text(log, plots), encoding="utf-8")
