@@ -28,7 +28,7 @@ $(foreach line,$(subst $(newline), ,$(subst $(empty) $(empty),^,$(file < .env)))
 endif
 
 # Everything the app reads; exported so each command (and compose's interpolation) sees it.
-export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
+export DATA_DIR GSM8K_SOURCE MODEL_PATH CONFIG NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
        HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
        TRAIN_FILE VAL_FILE PROJECT EXPERIMENT SWANLAB_MODE WAIT_TIMEOUT \
        BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND SMOKE_DIR SMOKE_STEPS IMAGE \
@@ -62,7 +62,7 @@ prep: ## GSM8K -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, def
 data-check: ## check your own parquet: make data-check FILE=x.parquet [KIND=rl|sft] [FIX=out.parquet]
 	$(call app,gsm8k-prep) data check $(FILE) $(if $(KIND),--kind $(KIND)) $(if $(FIX),--fix $(FIX))
 
-check: ## preflight only: make check JOB=sft|grpo
+check: ## preflight only: make check JOB=sft|grpo [CONFIG=my.yaml]
 	$(call app,sft-runner) check $(or $(JOB),sft)
 
 sft: ## SFT on this node (NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT; DRY_RUN=1, FRESH=1)

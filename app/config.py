@@ -23,6 +23,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app import renames, userconfig
 from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, env, env_int, run_dir, say, warn
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -149,6 +150,7 @@ def _path_setting(name: str, default: Path | None, relative: list[str]) -> Path 
 def read_settings(job: str) -> Settings:
     """The launch settings of `job` on this node, from the environment."""
     check_job(job)
+    userconfig.apply_settings(job)  # CONFIG's model.path, data files, run dir: defaults of those settings
     relative: list[str] = []
     nnodes = env_int("NNODES", 1)
     node_rank = env_int("NODE_RANK", 0)
@@ -214,7 +216,7 @@ def attention_overrides(job: str) -> tuple[list[str], str | None]:
 
 def render_overrides(s: Settings, extra: list[str] | None = None) -> list[str]:
     """Hydra overrides for `s` (environment-derived first, then ARGS, so the user has the last word)."""
-    out: list[str] = []
+    out: list[str] = userconfig.overrides(s.job)  # CONFIG's keys: above the profile, below the settings
     model = MODEL_KEY[s.job]
     if s.model_path is not None:
         out.append(f"{model}.path={hydra_value(s.model_path)}")
@@ -343,8 +345,29 @@ def _verl_base_config(job: str):
         return hydra_compose(config_name=BASE_CONFIG[job])
 
 
+def _known_key(base, dotted: str) -> bool:
+    """Whether verl's config declares `dotted`, or a parent of it that is free-form (an empty mapping such as
+    override_config or engine_kwargs.vllm, or null), where verl takes any key."""
+    from omegaconf import DictConfig
+
+    node = base
+    for part in dotted.split("."):
+        if node is None or (isinstance(node, (dict, DictConfig)) and len(node) == 0):
+            return True
+        if isinstance(node, DictConfig) and part in node.keys():
+            node = node._get_node(part)
+            node = None if node._is_none() else (node if isinstance(node, DictConfig) else node._value())
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return False
+    return True
+
+
 def check_profile_keys(job: str) -> None:
-    """Every key of configs/<job>.yaml must exist in verl's packaged config (except PROFILE_NEW_KEYS).
+    """Every key of configs/<job>.yaml and of the user's CONFIG file must exist in verl's packaged config
+    (except PROFILE_NEW_KEYS and keys under free-form mappings); all unknown keys are refused at once,
+    with the new name where verl renamed a key the old walkthrough used (app.renames).
 
     Hydra merges a primary config file's own keys without struct checks, so a misspelt key there would
     be silently carried; command-line overrides (ARGS) are already checked by Hydra itself.
@@ -357,14 +380,13 @@ def check_profile_keys(job: str) -> None:
         raise UserError(f"configs/{job}.yaml is not valid YAML: {' '.join(str(exc).split())}: fix it "
                         "(or restore it with `git checkout configs/" + job + ".yaml`)") from None
     profile.pop("defaults", None)
+    layers = [(f"configs/{job}.yaml", userconfig.leaves(profile))]
+    user = userconfig.user_leaves()
+    if user is not None:
+        layers.append((f"CONFIG {user[0]}", user[1]))
     base = _verl_base_config(job)
-    for key in _leaf_keys(profile):
-        if key in PROFILE_NEW_KEYS[job]:
-            continue
-        if not _has_key(base, key):
-            raise UserError(
-                f"configs/{job}.yaml sets {key}, which verl 0.9.1's {BASE_CONFIG[job]} does not have: "
-                "fix the spelling (see `python -m app config " + job + "`)")
+    renames.refuse_unknown(job, BASE_CONFIG[job], layers,
+                           lambda key: key in PROFILE_NEW_KEYS[job] or _known_key(base, key))
 
 
 # --- preflight ---------------------------------------------------------------------------------------
@@ -442,6 +464,7 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
 
     # -- the environment of this node
     refuse_stale_environment()
+    check_profile_keys(job)  # every unknown key of the profile and CONFIG at once, before anything else
     if s.nnodes < 1:
         raise UserError(f"NNODES={s.nnodes}: set NNODES to the number of machines (1 or more)")
     if not 0 <= s.node_rank < s.nnodes:
@@ -475,12 +498,12 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
                         "with config.json and the tokenizer files")
 
     # -- compose (ARGS included) and check the config itself
-    check_profile_keys(job)
     attn, attn_note = attention_overrides(job)
     overrides = render_overrides(s, attn)
     cfg = compose(job, overrides)
     if attn_note:
         warnings.append(attn_note)
+    warnings += userconfig.machine_warnings(job, s)
     _check_config(s, cfg, notes, warnings)
 
     # -- data
@@ -633,9 +656,12 @@ def report(plan: Preflight) -> None:
 def main(command: str, argv: list[str]) -> int:
     parser = ArgParser(prog=f"python -m app {command}")
     parser.add_argument("job", choices=sorted(BASE_CONFIG), help="sft or grpo")
+    parser.add_argument("--config", metavar="FILE", help="your own verl-style YAML over the profile (CONFIG)")
     if command == "config":
         parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")
     args = parser.parse_args(argv)
+    if args.config:
+        os.environ["CONFIG"] = args.config
     if command == "check":
         plan = preflight(args.job, deep=True)
         report(plan)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, assert_one_line_error, run_app
+from conftest import REPO, assert_one_line_error, make, run_app
 
 from app.data import verl_gsm8k_scorer
 
@@ -39,20 +39,6 @@ def prompt_response_rows(n: int = 3) -> pd.DataFrame:
     return pd.DataFrame({"prompt": [f"What is {i} + 1?" for i in range(n)],
                          "response": [f"{i} + 1 = {i + 1}\n#### {i + 1}" for i in range(n)],
                          "extra_info": [{"index": i} for i in range(n)]})
-
-
-def without_make_summary(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    """make adds its own `make: *** [Makefile:N: target] Error 2` after a failing recipe: drop that frame,
-    what is left is what the app said."""
-    kept = [line for line in result.stderr.splitlines() if not line.startswith("make: ***")]
-    result.stderr = "\n".join(kept) + ("\n" if kept else "")
-    return result
-
-
-def make(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    full = {**os.environ, "RUNTIME": "local", **(env or {})}
-    return without_make_summary(subprocess.run(["make", "--no-print-directory", "-s", *args], cwd=REPO, env=full,
-                                               capture_output=True, text=True, timeout=timeout))
 
 
 def files(directory: Path) -> list[str]:
