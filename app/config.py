@@ -451,10 +451,23 @@ def refuse_stale_environment() -> None:
             "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
 
 
-def preflight(job: str, *, deep: bool = False) -> Preflight:
+def refuse_without_gpus(s: Settings, what: str) -> None:
+    """A launch that will start GPU work on a node without any GPU fails later in torch/NCCL with a
+    traceback: refuse it here, as `make smoke` does. The CPU stand-in trainers of the tests
+    (SFT_TRAINER_MODULE / GRPO_TRAINER_MODULE) need none."""
+    hook = "SFT_TRAINER_MODULE" if s.job == "sft" else "GRPO_TRAINER_MODULE"
+    if s.gpus_seen or env(hook):
+        return
+    raise UserError(f"{what} needs GPUs, but this node has none ({s.gpu_source}): run it on a GPU node "
+                    "(with docker: the NVIDIA container toolkit, compose `gpus: all`); DRY_RUN=1 prints the plan "
+                    f"and `make check JOB={s.job}` checks the config on any machine")
+
+
+def preflight(job: str, *, deep: bool = False, gpus: bool = False) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
 
     deep=True also runs verl's own validate_config (GRPO), which imports verl (seconds, no GPU needed).
+    gpus=True (a real launch) refuses a node without GPUs.
     """
     from omegaconf import OmegaConf
 
@@ -484,6 +497,8 @@ def preflight(job: str, *, deep: bool = False) -> Preflight:
                         f"({s.gpu_source}): set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
     else:
         notes.append(f"GPUs: {s.gpus_seen} visible ({s.gpu_source})")
+    if gpus:
+        refuse_without_gpus(s, "make sft" if job == "sft" else "make grpo-head")
     if s.multi_node and s.relative:
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")

@@ -97,7 +97,8 @@ def run_process(what: str, command: list[str], extra_env: dict[str, str]) -> int
 
 
 def preflight_and_report(job: str, dry: bool) -> cfgmod.Preflight:
-    plan = cfgmod.preflight(job, deep=not dry and job == "grpo")
+    # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
+    plan = cfgmod.preflight(job, deep=job == "grpo", gpus=not dry)
     cfgmod.report(plan)
     return plan
 
@@ -388,6 +389,8 @@ def launch_grpo_worker() -> int:
     if s.gpus_seen is not None and s.gpus_seen != s.gpus_per_node:
         raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) ({s.gpu_source}): "
                         f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
+    if not dry:
+        cfgmod.refuse_without_gpus(s, "make grpo-worker")
     command = worker_command(s)
     timeout = env_int("WAIT_TIMEOUT", 600)
     extra = tracking(s.run_dir, dry)

@@ -165,3 +165,40 @@ def test_a_missing_or_broken_config_file_is_one_line(env, tmp_path, content, exp
         path.write_text(content)
     line = assert_one_line_error(run_app("sft", env={**env, "CONFIG": str(path), "DRY_RUN": "1"}))
     assert f"CONFIG={path}" in line and expected in line
+
+
+# --- preflight refuses what used to fail later ---------------------------------------------------------
+no_gpus = pytest.mark.skipif(shutil.which("nvidia-smi") is not None or Path("/proc/driver/nvidia/gpus").is_dir(),
+                             reason="this machine has GPUs")
+
+
+@no_gpus
+def test_make_sft_on_a_machine_without_gpus_is_refused_in_preflight_like_smoke(env, tmp_path):
+    line = assert_one_line_error(make("sft", env=env))
+    assert line.startswith("error: make sft needs GPUs, but this node has none (no nvidia-smi")
+    assert "DRY_RUN=1 prints the plan" in line and "make check JOB=sft" in line
+    assert not (tmp_path / "run").exists()  # no run directory, no torchrun started
+
+
+@no_gpus
+def test_make_grpo_head_without_gpus_is_refused_before_ray_starts(env, tmp_path):
+    result = make("grpo-head", env={**env, "HEAD_IP": "127.0.0.1"})
+    line = assert_one_line_error(result)
+    assert line.startswith("error: make grpo-head needs GPUs") and "ray start" not in result.stdout
+    assert not (tmp_path / "run").exists()  # no token written
+
+
+@no_gpus
+def test_make_grpo_worker_without_gpus_is_refused_before_it_waits(env, tmp_path):
+    result = make("grpo-worker", env={**env, "HEAD_IP": "127.0.0.1", "WAIT_TIMEOUT": "600"}, timeout=60)
+    line = assert_one_line_error(result)
+    assert line.startswith("error: make grpo-worker needs GPUs")
+
+
+def test_grpo_dry_run_refuses_what_make_check_refuses_through_verls_validate_config(env):
+    args = ("actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=300")
+    check = assert_one_line_error(make("check", "JOB=grpo", env={**env, "ARGS": args}))
+    dry = assert_one_line_error(make("grpo-head", env={**env, "ARGS": args, "DRY_RUN": "1", "HEAD_IP": "127.0.0.1"}))
+    assert dry == check and dry.startswith("error: verl's validate_config rejects the grpo config:")
+    assert "ppo_mini_batch_size (300)" in dry
