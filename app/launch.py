@@ -229,6 +229,99 @@ def worker_command(s: cfgmod.Settings) -> list[str]:
     return command + extra_ray_args()
 
 
+class ClusterAddressFile:
+    """`ray start` (head or worker) records its cluster in `<Ray temp dir>/ray_current_cluster`, and a plain
+    `ray.init()` on this node (no address, e.g. `python -m verl.trainer.main_ppo`) joins whatever that file
+    names. Stopping `ray start --block` with SIGTERM does not reset it (only `ray stop` does, machine-wide), so
+    a later plain program would try to join our dead head and hang. Remembered before our `ray start` and put
+    back afterwards: removed, or the previous content restored, unless another cluster has replaced ours since.
+
+    The temp dir is Ray 2.60's (ray/_common/utils.py get_default_ray_temp_dir, mirrored to avoid importing
+    Ray): `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray.
+    """
+
+    def __init__(self, address: str):
+        self.address = address
+        self.path = self.locate()
+        self.before = self.read()
+
+    @staticmethod
+    def locate() -> Path:
+        args = extra_ray_args()
+        for i, arg in enumerate(args):
+            if arg == "--temp-dir" and i + 1 < len(args):
+                return Path(args[i + 1]) / "ray_current_cluster"
+            if arg.startswith("--temp-dir="):
+                return Path(arg.split("=", 1)[1]) / "ray_current_cluster"
+        if "RAY_TMPDIR" in os.environ:
+            base = os.environ["RAY_TMPDIR"]
+        elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+            base = os.environ["TMPDIR"]
+        else:
+            base = "/tmp"
+        return Path(base) / "ray" / "ray_current_cluster"
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text().strip()
+        except OSError:
+            return None
+
+    def ours(self, content: str | None) -> bool:
+        """Whether `content` names a cluster at our port. Ray writes the GCS address as it sees it (on a
+        head started with --node-ip-address 127.0.0.1 that can be the node's primary address), so the port
+        identifies it; whatever listened there is what this launch has just stopped."""
+        return content is not None and content.rsplit(":", 1)[-1] == self.address.rsplit(":", 1)[-1]
+
+    def restore(self) -> None:
+        now = self.read()
+        if not self.ours(now):
+            return  # never written by our `ray start`, or another cluster's since: not ours to touch
+        try:
+            if self.before is not None and not self.ours(self.before):
+                self.path.write_text(self.before)
+            else:
+                self.path.unlink()
+        except OSError as exc:
+            warn(f"could not reset {self.path} ({exc.strerror}): a plain ray.init() here would try to join "
+                 f"{now}; remove the file or run `ray stop`")
+
+
+def head_ip_problem(head_ip: str | None) -> str | None:
+    """Why HEAD_IP cannot be this node's Ray head address, or None. `ray start --head --node-ip-address`
+    with a foreign address starts a head that no worker reaches (or fails with a Ray traceback)."""
+    if not head_ip:
+        return None
+    from app.doctor import interface_addresses, is_local_address
+
+    if is_local_address(head_ip):
+        return None
+    mine = sorted({a for addresses in interface_addresses().values() for a in addresses if ":" not in a})
+    return (f"HEAD_IP={head_ip} is not an address of this machine (its addresses: {', '.join(mine) or 'none'}): "
+            "run make grpo-head on the head node itself, with HEAD_IP set to one of its addresses (and the same "
+            "HEAD_IP on every worker)")
+
+
+def head_reachable(host: str, port: int, window: float = 10.0) -> str | None:
+    """Within `window` seconds, whether anything at host:port can be reached: None when the head answers;
+    "refused" when the machine answers but nothing listens there yet (the head may still be starting);
+    else why not (timed out, no route, unknown host) - then HEAD_IP is wrong or the network blocks it."""
+    deadline = time.monotonic() + window
+    reason = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.5, min(3.0, deadline - time.monotonic()))):
+                return None
+        except ConnectionRefusedError:
+            return "refused"
+        except socket.gaierror as exc:
+            return f"unknown host: {exc.strerror}"
+        except OSError as exc:
+            reason = exc.strerror or "timed out"
+        time.sleep(0.5)
+    return reason
+
+
 def describe_nodes(nodes: list[dict]) -> str:
     return ", ".join(f"{n['NodeManagerAddress']} ({int(n['Resources'].get('GPU', 0))} GPU)" for n in nodes) or "none"
 
@@ -338,8 +431,13 @@ def launch_grpo_head() -> int:
     from app.tracking import tracking_overrides
 
     dry = env_flag("DRY_RUN")
+    problem = head_ip_problem(env("HEAD_IP"))
+    if problem and not dry:  # before preflight's notes: the one line is the refusal
+        raise UserError(problem)
     plan = preflight_and_report("grpo", dry)
     s = plan.settings
+    if problem:  # a plan may be printed anywhere; starting the head may not
+        warn(problem)
     timeout = env_int("WAIT_TIMEOUT", 600)
     prepare_run_dir(plan, dry)  # FRESH first: the token and tracking directories belong to the new run
     track = tracking(s.run_dir, dry)
@@ -357,10 +455,12 @@ def launch_grpo_head() -> int:
         return 0
     os.environ.update(auth)  # the wait's driver (a spawned interpreter) joins with the same token
     head: subprocess.Popen | None = None
+    address_file: ClusterAddressFile | None = None
     if port_open(s.head_ip or "127.0.0.1", s.ray_port):
         say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
     else:
         say(f"$ {shlex.join(head_cmd)}")
+        address_file = ClusterAddressFile(s.ray_address)
         head = subprocess.Popen(head_cmd, env={**os.environ, **extra})
     try:
         nodes = wait_for_nodes(s.ray_address, s.nnodes, s.gpus_per_node, timeout, head)
@@ -370,6 +470,7 @@ def launch_grpo_head() -> int:
         if head is not None:
             say("stopping the Ray head (workers leave when it goes away)")
             stop_process(head, "the Ray head")
+            address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
     if rc != 0:
         raise UserError(f"the GRPO driver exited with code {rc} (its output is above): fix the cause and rerun "
                         "`make grpo-head`; it resumes from the latest checkpoint")
@@ -399,6 +500,13 @@ def launch_grpo_worker() -> int:
         print_plan(f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
             (f"wait up to {timeout}s for the head, then join it and stay until it goes away", command)])
         return 0
+    reach = head_reachable(s.head_ip, s.ray_port)
+    if reach not in (None, "refused"):
+        raise UserError(f"no Ray head answers at {s.ray_address} ({reach}): start make grpo-head there first, or "
+                        "fix HEAD_IP / RAY_PORT (the head's address and port, reachable from this node)")
+    if reach == "refused":  # the machine is there, its head not (yet): say so now, not after WAIT_TIMEOUT
+        warn(f"nothing answers at {s.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
+             "(if HEAD_IP or RAY_PORT is wrong, stop this and fix it)")
     deadline = time.monotonic() + timeout
     with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
         while True:
@@ -412,9 +520,18 @@ def launch_grpo_worker() -> int:
                                 "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
             time.sleep(2.0)
             bar.update(2)
+    address_file = ClusterAddressFile(s.ray_address)
+    try:
+        return _run_worker(s, command, {**extra, **auth}, deadline)
+    finally:
+        address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
+
+
+def _run_worker(s: cfgmod.Settings, command: list[str], environment: dict[str, str], deadline: float) -> int:
+    """`ray start --address ... --block` until the head goes away; retried while the head is still starting."""
     while True:
         started = time.monotonic()
-        rc = run_process("grpo-worker", command, {**extra, **auth})
+        rc = run_process("grpo-worker", command, environment)
         if not port_open(s.head_ip, s.ray_port):
             say(f"the Ray head at {s.ray_address} went away: worker stopped")
             return 0
