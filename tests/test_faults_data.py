@@ -5,6 +5,7 @@ dataset judge what --fix writes."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -294,3 +295,59 @@ def test_local_runtime_with_an_interpreter_lacking_packages_says_how_to_install(
     assert "cannot import 'omegaconf', which the stack needs" in line
     assert "make setup" in line and "PYTHONPATH" in line and "internal error" not in line
     assert not (tmp_path / "r").exists()
+
+
+# --- report of a metrics file, doctor on a tiny or broken model ------------------------------------------
+def write_metrics(path: Path, steps: int = 5) -> Path:
+    """verl's file logger format: one {"step": N, "data": {...}} per line."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "data": {"train/loss": 2.0 / s, "train/lr": 1e-5}}) + "\n"
+                            for s in range(1, steps + 1)))
+    return path
+
+
+def test_make_report_accepts_verls_own_metrics_jsonl_file(tmp_path):
+    log = write_metrics(tmp_path / "somewhere" / "metrics.jsonl")
+    result = make("report", f"RUN={log}")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "somewhere" / "metrics-report"
+    assert (out / "summary.txt").is_file() and "train/loss" in (out / "summary.txt").read_text()
+    assert any(p.suffix == ".png" for p in out.iterdir())
+    assert files(tmp_path) == sorted(["somewhere", "somewhere/metrics.jsonl", "somewhere/metrics-report",
+                                      *(f"somewhere/metrics-report/{p.name}" for p in out.iterdir())])
+
+
+def test_make_report_of_a_file_that_is_not_jsonl_is_one_line(tmp_path):
+    other = tmp_path / "metrics.csv"
+    other.write_text("step,loss\n1,2.0\n")
+    line = assert_one_line_error(make("report", f"RUN={other}"))
+    assert "is a file but not a .jsonl metrics log" in line
+    assert files(tmp_path) == ["metrics.csv"]
+
+
+DOCTOR_CLEAN = {k: "" for k in ("HEAD_IP", "MASTER_ADDR", "NNODES", "GPUS_PER_NODE", "DATA_DIR", "TRAIN_FILE",
+                                "VAL_FILE", "JOB", "RAY_PORT", "EXPERIMENT", "CONFIG")}
+
+
+def test_doctor_sizes_a_tiny_models_checkpoint_in_mib_not_zero_gib(tiny_model_dir, tmp_path):
+    result = run_app("doctor", env={**DOCTOR_CLEAN, "MODEL_PATH": str(tiny_model_dir), "CKPT_DIR": str(tmp_path / "r")})
+    disk = next(line for line in result.stdout.splitlines() if " disk " in line)
+    assert "0.00B" not in disk and "~0.0 GiB" not in disk
+    assert re.search(r"one checkpoint of this [0-9.]+[MK] model is ~[0-9.]+ (MiB|KiB), 3 are kept", disk), disk
+
+
+def test_doctor_with_an_empty_safetensors_file_prints_every_check_and_one_red_model_line(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"")
+    result = run_app("doctor", env={**DOCTOR_CLEAN, "MODEL_PATH": str(model), "CKPT_DIR": str(tmp_path / "r")})
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "internal error" not in result.stderr
+    lines = result.stdout.splitlines()
+    red = [line for line in lines if "FAIL" in line and "MODEL_PATH" in line]
+    assert len(red) == 1 and "model.safetensors is empty (0 bytes)" in red[0], result.stdout
+    for name in ("/dev/shm", "memlock", "disk", "verl"):  # the other checks are all there
+        assert any(name in line for line in lines), (name, result.stdout)
+    assert lines[-1].startswith("NOT READY") and not (tmp_path / "r").exists()
