@@ -1,5 +1,5 @@
 # Each target is one line into `python -m app` (or the compose service that runs it).
-# Settings come from the environment, `.env`, or the command line: `make sft NODE_RANK=1`.
+# Settings come from the command line, the environment or `.env`: `make sft NODE_RANK=1`; `make settings`.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -11,28 +11,9 @@ endif
 # RUNTIME=local runs in .venv when there is one, else any interpreter (PYTHON=python3 PYTHONPATH=...).
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
-# .env (see .env.example) counts for RUNTIME=local too, as it does for compose: below the shell
-# environment and `make VAR=...`. Make has no dotenv reader: each KEY=value line is assigned unless KEY
-# came from the command line or has a non-empty value already (empty counts as unset, as in the app, so
-# the empty variables an outer make exports do not hide .env).
-ifneq ($(wildcard .env),)
-empty :=
-define newline
-
-
-endef
-dotenv_key = $(firstword $(subst =, ,$(1)))
-dotenv_set = $(if $(or $(filter command line,$(origin $(1))),$(strip $($(1)))),,$(1) = $(2))$(newline)export $(1)
-dotenv_line = $(if $(and $(findstring =,$(1)),$(filter-out #%,$(1))),$(call dotenv_set,$(call dotenv_key,$(1)),$(subst ^, ,$(patsubst $(call dotenv_key,$(1))=%,%,$(1)))))
-$(foreach line,$(subst $(newline), ,$(subst $(empty) $(empty),^,$(file < .env))),$(eval $(call dotenv_line,$(line))))
-endif
-
-# Everything the app reads; exported so each command (and compose's interpolation) sees it.
-export DATA_DIR GSM8K_SOURCE MODEL_PATH CONFIG NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT \
-       HEAD_IP RAY_PORT ARGS DRY_RUN FRESH FORCE STEP CKPT_DIR OUT_DIR NODES RUN MODEL JOB \
-       TRAIN_FILE VAL_FILE PROJECT EXPERIMENT SWANLAB_MODE WAIT_TIMEOUT \
-       BOARD_HOST BOARD_PORT LIMIT OUT EVAL_BACKEND SMOKE_DIR SMOKE_STEPS IMAGE \
-       FLASH_ATTN_CUDA_ARCHS MAX_JOBS DASHBOARD_HOST RAY_START_ARGS NODE_IP
+# Settings (app/settings.py): `make VAR=value` and the shell reach the app as its environment (make
+# exports command-line variables to every recipe); the app reads .env itself, below both. So does compose,
+# for the containers. RUNTIME, PYTHON and IB are make's own: the command line or the shell only.
 
 # With RUNTIME=docker: IB=1 (default where /dev/infiniband exists) picks the GPU services' -ib variant.
 IB ?= $(if $(wildcard /dev/infiniband),1,0)
@@ -44,11 +25,11 @@ compose = mkdir -p data models checkpoints && PWD=$(CURDIR) docker compose
 app = $(if $(filter docker,$(RUNTIME)),$(compose) run --rm $(call service,$(1)) python -m app,$(PYTHON) -m app)
 
 .PHONY: help setup test prep data-check check sft grpo-head grpo-worker gather merge eval report \
-        board doctor smoke build lock tiny-model
+        board doctor smoke build lock tiny-model settings
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "  (RUNTIME=$(RUNTIME); variables: README.md, or .env.example)"
+	@echo "  (RUNTIME=$(RUNTIME); every variable: make settings, README.md, .env.example)"
 
 setup: ## build .venv with everything the tests and the CPU-side commands need
 	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -c constraints-dev.txt -e '.[dev]'
@@ -60,10 +41,10 @@ prep: ## GSM8K -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, def
 	$(call app,gsm8k-prep) prep gsm8k
 
 data-check: ## check your own parquet: make data-check FILE=x.parquet [KIND=rl|sft] [FIX=out.parquet]
-	$(call app,gsm8k-prep) data check $(FILE) $(if $(KIND),--kind $(KIND)) $(if $(FIX),--fix $(FIX))
+	$(call app,gsm8k-prep) data check
 
 check: ## preflight only: make check JOB=sft|grpo [CONFIG=my.yaml]
-	$(call app,sft-runner) check $(or $(JOB),sft)
+	$(call app,sft-runner) check
 
 sft: ## SFT on this node (NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT; DRY_RUN=1, FRESH=1)
 	$(call app,sft-runner) sft
@@ -92,11 +73,14 @@ board: ## local swanlab dashboard of a run on 127.0.0.1:5092 (RUN, BOARD_HOST, B
 doctor: ## is this node ready? what to fix, one line each
 	$(call app,ray-worker) doctor
 
+settings: ## every variable, its value here and where it came from (shell, .env, default)
+	$(call app,merger) settings
+
 smoke: ## whole pipeline on one GPU with a tiny local model: prep, SFT, merge, generate
 	$(call app,sft-runner) smoke
 
 tiny-model: ## write a tiny random model + tokenizer: make tiny-model OUT=models/tiny
-	$(call app,merger) tiny-model $(or $(OUT),models/tiny)
+	$(call app,merger) tiny-model
 
 build: ## build the pinned image (IMAGE, default verl-stack:0.1.0); every service runs it
 	$(compose) build sft-runner

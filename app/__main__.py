@@ -14,14 +14,14 @@ from app.common import Terminated, UserError, raise_terminated
 # ModuleNotFoundError for one of them means this interpreter is not the stack's environment, not a bug.
 DEPENDENCIES = {"omegaconf", "hydra", "yaml", "pyarrow", "pandas", "numpy", "torch", "transformers",
                 "tokenizers", "tensordict", "ray", "verl", "datasets", "safetensors", "peft", "accelerate",
-                "swanlab", "matplotlib", "rich", "tqdm", "psutil", "huggingface_hub"}
+                "swanlab", "matplotlib", "rich", "tqdm", "psutil", "huggingface_hub", "dotenv"}
 
-# command -> (module, one-line help). Each module exposes main(command, argv) -> int.
+# command -> (module, one-line help). Each module exposes main(command, argv, settings) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("app.data", "prepare a dataset for verl: prep gsm8k"),
     "data": ("app.data", "check (and fix) your own parquet: data check FILE [--kind rl|sft] [--fix OUT]"),
-    "check": ("app.config", "preflight: compose the sft|grpo config and reject what would fail later"),
-    "config": ("app.config", "print the composed sft|grpo config"),
+    "check": ("app.preflight", "preflight: compose the sft|grpo config and reject what would fail later"),
+    "config": ("app.preflight", "print the composed sft|grpo config"),
     "sft": ("app.launch", "launch SFT on this node (torchrun; same line on every node but NODE_RANK)"),
     "grpo-head": ("app.launch", "start the Ray head, wait for the workers, run GRPO"),
     "grpo-worker": ("app.launch", "join the Ray head and stay until it goes away"),
@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("app.doctor", "is this node ready? one screen, with what to do for each red line"),
     "smoke": ("app.smoke", "the whole pipeline on one GPU with a tiny local model"),
     "tiny-model": ("app.tiny", "write a tiny random Qwen2 model + tokenizer (tests, smoke, benchmarks)"),
+    "settings": ("app.settings", "every variable, its value here and where it came from (shell, .env, default)"),
 }
 
 
@@ -55,13 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (docker stop, kill, timeout) unwinds like Ctrl-C: temporaries removed, children stopped
     signal.signal(signal.SIGTERM, raise_terminated)
     try:
+        from app.settings import load
+
+        settings = load()  # the one read of the environment and .env for this command
+        settings.check(command)  # a bad value of a variable this command reads: one line, before anything
         module = importlib.import_module(COMMANDS[command][0])
-        return int(module.main(command, rest) or 0)
+        return int(module.main(command, rest, settings) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
+        # APP_DEBUG from the environment: the settings may be what failed to import
         if top not in DEPENDENCIES or os.environ.get("APP_DEBUG"):
             raise
         print(f"error: {sys.executable} cannot import {top!r}, which the stack needs: run `make setup` and use "
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user mistake: still one line unless asked for more
+        # Read here, not from the settings: the traceback switch must work when loading them is what failed.
         if os.environ.get("APP_DEBUG"):
             raise
         print(

@@ -6,8 +6,8 @@ verl writes, per saved step, `model_world_size_W_rank_R.pt` on the node that ran
 layout is flat (`global_step_N/`), GRPO's actor lives in `global_step_N/actor/`. Merging needs every
 rank in one directory: we check that first and say exactly which ranks are missing and how to get them.
 
-Settings (environment, as the Makefile passes them): CKPT_DIR (the run directory holding global_step_N/
-and latest_checkpointed_iteration.txt; or one global_step_N/ or actor/ directory), STEP (default
+Settings (app/settings.py): CKPT_DIR (the run directory holding global_step_N/
+and verl's LATEST_FILE, app/runs.py; or one global_step_N/ or actor/ directory), STEP (default
 latest), OUT_DIR (default models/<run>-step<N>), FORCE=1 (replace OUT_DIR), NODES (gather's sources),
 JOB (sft|grpo: which default run directory, when CKPT_DIR is unset).
 """
@@ -24,11 +24,11 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, env, env_flag, run_dir, say, warn
+from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.runs import LATEST_FILE, STEP_RE, default_run_dir, merged_model_dir, step_dir
+from app.settings import Settings
 
 SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)(.*)\.pt$")
-STEP_RE = re.compile(r"^global_step_(\d+)$")
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 RANK0_FILES = ("fsdp_config.json", "huggingface")
 # Models up to this size get a real load + forward pass after merging; bigger ones are checked against
 # an empty-weight (meta) instance of their config so verification never needs the model's RAM twice.
@@ -62,20 +62,6 @@ def _steps_in(run: Path) -> list[int]:
     if not run.is_dir():
         return []
     return sorted(int(m.group(1)) for p in run.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name)))
-
-
-def default_run_dir() -> Path:
-    """CKPT_DIR, else the run directory of JOB, else whichever of the sft/grpo defaults exists."""
-    if env("CKPT_DIR") or env("JOB"):
-        return run_dir(env("JOB", "sft"))
-    candidates = [run_dir(job) for job in ("sft", "grpo")]
-    existing = [c for c in candidates if c.exists()]
-    if len(existing) == 1:
-        return existing[0]
-    if not existing:
-        raise UserError(f"no checkpoints at {candidates[0]} or {candidates[1]}: set CKPT_DIR to the run "
-                        "directory that holds global_step_N/")
-    raise UserError(f"both {existing[0]} and {existing[1]} exist: set JOB=sft|grpo or CKPT_DIR to choose")
 
 
 def _step_dir_layout(step_dir: Path) -> tuple[Path, str]:
@@ -118,11 +104,11 @@ def locate(ckpt_dir: Path, step: str | None) -> Located:
         number = int(spec)
     else:
         raise UserError(f"STEP={spec!r} is not a step number: set STEP=latest or one of: {present or 'none'}")
-    step_dir = ckpt_dir / f"global_step_{number}"
-    if not step_dir.is_dir():
+    saved = step_dir(ckpt_dir, number)
+    if not saved.is_dir():
         raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present or 'none'} "
                         "(set STEP to one of them)")
-    shard_dir, layout = _step_dir_layout(step_dir)
+    shard_dir, layout = _step_dir_layout(saved)
     return Located(shard_dir, ckpt_dir.name, number, layout)
 
 
@@ -531,8 +517,7 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
     """Check, merge into a temporary directory, verify, then rename into OUT_DIR. Returns OUT_DIR."""
     where = locate(ckpt_dir, step)
     shards = check_complete(where.shard_dir)
-    suffix = f"-step{where.step}" if where.step is not None else ""
-    out = Path(out or Path.cwd() / "models" / f"{where.run_name}{suffix}").expanduser().resolve()
+    out = Path(out or merged_model_dir(where.run_name, where.step)).expanduser().resolve()
     if out.exists() and not force:
         raise UserError(f"OUT_DIR {out} already exists: set FORCE=1 to replace it, or choose another OUT_DIR")
     if out.exists() and not out.is_dir():
@@ -564,19 +549,20 @@ class Node:
     spec: str
     host: str
     run: str
+    environ: dict[str, str] = field(default_factory=dict, repr=False)  # rsync's (RSYNC_RSH from .env too)
 
     def url(self, relative: str) -> str:
         return f"{self.host}:{self.run.rstrip('/')}/{relative}"
 
 
-def parse_nodes(text: str, local_run: Path) -> list[Node]:
+def parse_nodes(text: str, local_run: Path, environ: dict[str, str] | None = None) -> list[Node]:
     nodes = []
     for spec in text.replace(",", " ").split():
         if ":" in spec:
             host, path = spec.split(":", 1)
-            nodes.append(Node(spec, host, path or str(local_run)))
+            nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
         else:  # the usual case: identical absolute paths on every node
-            nodes.append(Node(spec, spec, str(local_run)))
+            nodes.append(Node(spec, spec, str(local_run), dict(environ or {})))
     return nodes
 
 
@@ -587,9 +573,9 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False) -> 
     if shutil.which("rsync") is None:
         raise UserError("rsync is not installed on this node: install it (apt-get install rsync openssh-client)")
     cmd = ["rsync"]
-    if not os.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
+    if not node.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
         cmd += ["-e", "ssh -o BatchMode=yes -o ConnectTimeout=10"]
-    result = subprocess.run(cmd + args, capture_output=True, text=True)
+    result = subprocess.run(cmd + args, capture_output=True, text=True, env=node.environ or None)
     if result.returncode != 0:
         # rsync code 23 + "change_dir ... No such file": the source is absent (the remote's message may come
         # anywhere among the local side's, in either order).
@@ -650,14 +636,14 @@ def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -
                         "during the copy (is training still saving?); rerun make gather once the save is done")
 
 
-def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
+def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: dict[str, str] | None = None) -> Path:
     """Pull the shards of one step from every node into this node's run directory; return its shard dir."""
     import tempfile
 
     from tqdm import tqdm
 
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
-    nodes = parse_nodes(nodes_text or "", ckpt_dir)
+    nodes = parse_nodes(nodes_text or "", ckpt_dir, environ)
     spec = (step or "latest").strip()
     latest_here = ckpt_dir / LATEST_FILE
     if spec == "latest" and latest_here.is_file():
@@ -677,8 +663,8 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
         spec = str(max(numbers))
     if not spec.isdigit():
         raise UserError(f"STEP={spec!r} is not a step number: set STEP=latest or a number")
-    step_rel = f"global_step_{spec}"
-    local_step = ckpt_dir / step_rel
+    local_step = step_dir(ckpt_dir, spec)
+    step_rel = local_step.name
     local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
     try:
         shards = check_complete(local_shards)
@@ -746,39 +732,39 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None) -> Path:
 
 # --- CLI ------------------------------------------------------------------------------------------
 
-def _merge_main(argv: list[str]) -> int:
+def _merge_main(argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
-    parser.add_argument("--out", default=env("OUT_DIR"), help="output directory (OUT_DIR)")
-    parser.add_argument("--force", action="store_true", default=env_flag("FORCE"), help="replace OUT_DIR")
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), help="step number or latest (STEP)")
+    parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
+    parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
     parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
                         help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
                              "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
     parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
                         help="size of each output safetensors file (stream engine; memory is about twice it)")
     args = parser.parse_args(argv)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir()
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
     merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
           file_bytes=int(args.file_mb * 2**20))
     return 0
 
 
-def _gather_main(argv: list[str]) -> int:
+def _gather_main(argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app gather", description=gather.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=env("STEP", "latest"), help="step number or latest (STEP)")
-    parser.add_argument("--nodes", default=env("NODES"),
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), help="step number or latest (STEP)")
+    parser.add_argument("--nodes", default=settings["NODES"],
                         help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
     args = parser.parse_args(argv)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir()
-    gather(ckpt_dir, args.step, args.nodes)
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
+    gather(ckpt_dir, args.step, args.nodes, settings.environ())
     return 0
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     if command == "merge":
-        return _merge_main(argv)
+        return _merge_main(argv, settings)
     if command == "gather":
-        return _gather_main(argv)
+        return _gather_main(argv, settings)
     raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")

@@ -1,4 +1,4 @@
-"""Pieces every stage shares: the one-line user error, atomic writes, environment settings."""
+"""Pieces every stage shares: the one-line user error, argument parsing, atomic writes, output."""
 
 from __future__ import annotations
 
@@ -39,26 +39,6 @@ def verl_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """An environment setting; empty strings count as unset (Make passes empty variables through)."""
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
-
-
-def env_int(name: str, default: int) -> int:
-    raw = env(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"{name}={raw!r} is not an integer: set {name} to a whole number") from None
-
-
-def env_flag(name: str) -> bool:
-    return (env(name, "0") or "0").lower() in ("1", "true", "yes", "on")
 
 
 class Terminated(KeyboardInterrupt):
@@ -179,19 +159,3 @@ def say(message: str) -> None:
 
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-# --- where a run lives ----------------------------------------------------------------------------
-# One directory per run holds everything of it: verl's checkpoints (global_step_N/,
-# latest_checkpointed_iteration.txt), the JSONL metrics (logs/) and swanlab's local logs (swanlog/).
-# It sits under checkpoints/, the directory compose mounts at the same absolute path on every node.
-DEFAULT_EXPERIMENT = {"sft": "sft-gsm8k", "grpo": "grpo-gsm8k"}
-
-
-def run_dir(job: str) -> Path:
-    """The run directory of `job` (sft|grpo): CKPT_DIR if set, else checkpoints/<EXPERIMENT>. Absolute."""
-    explicit = env("CKPT_DIR")
-    if explicit:
-        return Path(explicit).expanduser().resolve()
-    experiment = env("EXPERIMENT", DEFAULT_EXPERIMENT[job])
-    return (Path.cwd() / "checkpoints" / experiment).resolve()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, env, env_flag, say, warn
+from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, say, warn
+from app.settings import Settings
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -457,7 +458,8 @@ def _prompt_response_to_messages(table, changes: list[str]):
     return table.replace_schema_metadata(None)
 
 
-def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> tuple[CheckReport, list[str]]:
+def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, force: bool = False
+                ) -> tuple[CheckReport, list[str]]:
     """Write a repaired copy of `path` to `out`:
       - RL: every plain-string `prompt` turned into a chat list (`[{"role": "user", "content": text}]`),
         a numeric `reward_model.ground_truth` written as text (verl's scorers compare strings);
@@ -470,7 +472,7 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None) -> t
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
-    if out.exists() and not env_flag("FORCE"):
+    if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
     changes: list[str] = []
@@ -733,31 +735,34 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     if command == "prep":
         parser = ArgParser(prog="python -m app prep", description="Prepare a dataset for verl (GSM8K).")
         parser.add_argument("dataset", choices=["gsm8k"])
-        parser.add_argument("--source", default=env("GSM8K_SOURCE"),
+        parser.add_argument("--source", default=settings["GSM8K_SOURCE"],
                             help="directory with train/test .jsonl[.gz]/.parquet, or hf (default: GSM8K_SOURCE, "
                                  "else the bundled copy)")
-        parser.add_argument("--data-dir", default=env("DATA_DIR", "data"), help="output root (default: DATA_DIR or data)")
+        parser.add_argument("--data-dir", default=settings["DATA_DIR"], help="output root (default: DATA_DIR or data)")
         args = parser.parse_args(argv)
         prep_gsm8k(args.source, args.data_dir)
         return 0
 
     parser = ArgParser(prog="python -m app data", description="Check (and fix) your own parquet for verl.")
     parser.add_argument("action", choices=["check"])
-    parser.add_argument("file", type=Path)
-    parser.add_argument("--kind", choices=KINDS, help="rl or sft (default: from the columns)")
-    parser.add_argument("--fix", type=Path, metavar="OUT",
-                        help="write a repaired copy to OUT: string prompts -> chat lists, numeric ground truth -> "
-                             "text, prompt/response SFT -> messages")
+    # make data-check FILE=... KIND=... FIX=...: the Makefile passes them as settings, not arguments
+    parser.add_argument("file", type=Path, nargs="?" if settings["FILE"] else None, default=settings["FILE"],
+                        help="the parquet to check (FILE)")
+    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"], help="rl or sft (KIND; default: from the columns)")
+    parser.add_argument("--fix", type=Path, metavar="OUT", default=settings["FIX"],
+                        help="write a repaired copy to OUT (FIX): string prompts -> chat lists, numeric ground truth "
+                             "-> text, prompt/response SFT -> messages")
     parser.add_argument("--against", type=Path, metavar="OTHER",
                         help="the other split (train or test) to check for overlap (default: the train.parquet / "
                              "test.parquet beside FILE)")
     args = parser.parse_args(argv)
+    args.file, args.fix = Path(args.file), Path(args.fix) if args.fix else None
     if args.fix is not None:
-        report, changes = fix_parquet(args.file, args.fix, args.kind)
+        report, changes = fix_parquet(args.file, args.fix, args.kind, force=settings["FORCE"])
         say(f"wrote {args.fix} ({report.rows} rows; {'; '.join(changes) or 'nothing needed fixing'})")
     else:
         report = check_parquet(args.file, args.kind)

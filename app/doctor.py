@@ -21,7 +21,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.common import UserError, env
+from app.common import UserError
+from app.runs import model_dir_problems
+from app.settings import REGISTRY, Settings
 
 GiB = 2**30
 MIN_DRIVER = 580  # the image's CUDA 13.0 needs an R580+ driver
@@ -104,11 +106,11 @@ def is_local_address(host: str) -> bool:
 
 # --- checks ---------------------------------------------------------------------------------------
 
-def check_gpus() -> list[Check]:
-    want = env("GPUS_PER_NODE")
+def check_gpus(settings: Settings) -> list[Check]:
+    want = settings["GPUS_PER_NODE"]
     smi = shutil.which("nvidia-smi")
     if not smi and not Path("/proc/driver/nvidia").exists():
-        status = "fail" if want and want != "0" else "warn"
+        status = "fail" if want else "warn"
         return [Check("GPUs", status, "no GPU on this node (no nvidia-smi, no NVIDIA driver loaded)",
                       "fine for prep, merge, report and a small eval on CPU; for sft/grpo use a GPU node with "
                       "the NVIDIA driver and nvidia-container-toolkit, and start the container with GPUs "
@@ -127,14 +129,14 @@ def check_gpus() -> list[Check]:
         return [Check("GPUs", "fail", f"nvidia-smi failed: {first[0] if first else result.returncode}",
                       "driver/library mismatch or no device: reboot after a driver update, or reinstall the driver")]
     rows = [[f.strip() for f in line.split(",")] for line in result.stdout.strip().splitlines() if line.strip()]
-    from app.config import count_gpus
+    from app.preflight import count_gpus
 
-    seen, source = count_gpus()  # honours CUDA_VISIBLE_DEVICES, as launch does
+    seen, source = count_gpus(settings["CUDA_VISIBLE_DEVICES"])  # honours CUDA_VISIBLE_DEVICES, as launch does
     names = sorted({r[1] for r in rows})
     memory = min(int(float(r[2])) for r in rows) if rows else 0
     driver = rows[0][3] if rows else "?"
     checks = [Check("GPUs", "ok", f"{seen} visible of {len(rows)}: {', '.join(names)}, {memory // 1024} GiB each")]
-    if want and want.isdigit() and seen is not None and seen < int(want):
+    if want and seen is not None and seen < want:
         checks[0] = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {seen} GPU(s) visible ({source})",
                           f"set GPUS_PER_NODE={seen}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
     elif seen == 0:
@@ -180,10 +182,11 @@ def check_memlock() -> Check:
     return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")
 
 
-def check_network() -> list[Check]:
-    target, what = (env("HEAD_IP"), "HEAD_IP") if env("HEAD_IP") else (env("MASTER_ADDR"), "MASTER_ADDR")
-    nnodes = env("NNODES", "1")
-    if not target and nnodes == "1":
+def check_network(settings: Settings) -> list[Check]:
+    head = settings["HEAD_IP"]
+    target, what = (head, "HEAD_IP") if head else (settings["MASTER_ADDR"], "MASTER_ADDR")
+    nnodes = settings["NNODES"]
+    if not target and nnodes == 1:
         return [Check("network", "ok", "one node (NNODES=1): no inter-node network to check")]
     if not target:
         return [Check("network", "warn", "HEAD_IP (GRPO) / MASTER_ADDR (multi-node SFT) not set: cannot tell "
@@ -200,15 +203,15 @@ def check_network() -> list[Check]:
                             "set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface holding " + source))
         return checks
     local = is_local_address(target)
-    if name == "lo" and nnodes != "1":
+    if name == "lo" and nnodes != 1:
         checks.append(Check("interface", "fail", f"{what}={target} is this node's loopback: other nodes "
                             "cannot reach it", f"set {what} to this node's address on the cluster network"))
     else:
         checks.append(Check("interface", "ok", f"route to {what}={target} leaves via {name} ({source})"
                             + (": this node is the head" if local else "")))
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        value = os.environ.get(var)
-        if value is None and nnodes == "1":
+        value = settings[var]
+        if value is None and nnodes == 1:
             continue  # one node: NCCL talks over NVLink/shared memory, Gloo over loopback
         if value is None:
             checks.append(Check(var, "warn", f"not set: {var.split('_')[0]} may pick another interface "
@@ -221,14 +224,11 @@ def check_network() -> list[Check]:
     return checks
 
 
-def check_head() -> Check | None:
-    head = env("HEAD_IP")
+def check_head(settings: Settings) -> Check | None:
+    head = settings["HEAD_IP"]
     if not head:
         return None
-    try:
-        port = int(env("RAY_PORT", "6379"))
-    except ValueError:
-        return Check("Ray head", "fail", f"RAY_PORT={env('RAY_PORT')!r} is not a number", "set RAY_PORT=6379")
+    port = settings["RAY_PORT"]  # a port 1-65535: app/settings.py refused anything else
     try:
         with socket.create_connection((head, port), timeout=3):
             return Check("Ray head", "ok", f"{head}:{port} answers")
@@ -303,7 +303,7 @@ def check_disk(run: Path, model: Path | None) -> Check:
         return Check("disk", "fail", f"{where} is not writable: checkpoints and logs of {run} cannot be saved",
                      "fix the mount/permissions, or set CKPT_DIR to a writable path (the same on every node)")
     free = shutil.disk_usage(where).free
-    params = model_parameters(model) if model and model.is_dir() else None
+    params = model_parameters(model) if model and not model_dir_problems(model) else None
     if params:
         # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
         one = params * 12
@@ -328,15 +328,9 @@ def check_model(model: Path | None) -> Check:
     if not model.is_dir():
         return Check("MODEL_PATH", "fail", f"{model} does not exist on this node",
                      "copy the model there (the same absolute path on every node) or fix MODEL_PATH")
-    missing = []
-    if not (model / "config.json").is_file():
-        missing.append("config.json")
-    if not (any(model.glob("*.safetensors")) or any(model.glob("*.bin"))):
-        missing.append("weights (*.safetensors)")
-    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        missing.append("tokenizer")
-    if missing:
-        return Check("MODEL_PATH", "fail", f"{model} lacks {', '.join(missing)}",
+    problems = model_dir_problems(model)
+    if problems:
+        return Check("MODEL_PATH", "fail", f"{model} has {', '.join(problems)}",
                      "point MODEL_PATH at a complete Hugging Face model directory (config, weights, tokenizer)")
     for path in sorted(model.glob("*.safetensors")):
         try:
@@ -347,17 +341,13 @@ def check_model(model: Path | None) -> Check:
     return Check("MODEL_PATH", "ok", str(model))
 
 
-def check_data(jobs: list[str]) -> tuple[list[Check], Path, Path | None]:
-    from app.config import read_settings
+def check_data(jobs: list[str], settings: Settings) -> tuple[list[Check], Path, Path | None]:
+    from app.preflight import read_launch
 
     checks, run, model = [], Path.cwd() / "checkpoints", None
     seen: set[Path] = set()
     for job in jobs:
-        try:
-            s = read_settings(job)
-        except UserError as exc:
-            checks.append(Check("settings", "fail", str(exc).split(": ", 1)[0], str(exc).split(": ", 1)[-1]))
-            continue
+        s = read_launch(job, settings)
         run, model = s.run_dir, s.model_path
         for what, path in (("train", s.train_file), ("val", s.val_file)):
             if path in seen:
@@ -410,16 +400,32 @@ def check_packages(gpu: bool) -> list[Check]:
     return checks
 
 
-def run_checks() -> list[Check]:
-    job = env("JOB")
-    if job and job not in ("sft", "grpo"):
-        raise UserError(f"JOB={job!r}: choose sft or grpo (or leave it unset to check both)")
-    checks = guarded("GPUs", check_gpus)
+# The lines of .env.example: what a node's .env is expected to say.
+NODE_SETTINGS = [var.name for var in REGISTRY if var.example is not None]
+
+
+def check_settings(settings: Settings) -> Check:
+    """Where this node's settings come from, and which of .env.example's are unset (their defaults apply)."""
+    sources = [settings.source(name) for name in NODE_SETTINGS]
+    unset = [name for name in NODE_SETTINGS if not settings.is_set(name)]
+    where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
+    detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
+              + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
+    if settings.ignored:
+        return Check("settings", "warn", detail + f"; in .env but read by make only: {', '.join(settings.ignored)}",
+                     "set those on the make command line or in the shell (`make settings` shows all)")
+    return Check("settings", "ok", detail)
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    job = settings["JOB"]  # sft or grpo: app/settings.py refused anything else
+    checks = guarded("GPUs", lambda: check_gpus(settings))
     gpu = checks[0].status == "ok"
+    checks.insert(0, check_settings(settings))
     checks += guarded("/dev/shm", check_shm) + guarded("memlock", check_memlock)
-    checks += guarded("network", check_network)
-    checks += guarded("Ray head", check_head)
-    found = guarded("settings", lambda: check_data([job] if job else ["sft", "grpo"]))
+    checks += guarded("network", lambda: check_network(settings))
+    checks += guarded("Ray head", lambda: check_head(settings))
+    found = guarded("settings", lambda: check_data([job] if job else ["sft", "grpo"], settings))
     data, run, model = found if isinstance(found, tuple) else (found, Path.cwd() / "checkpoints", None)
     checks += guarded("MODEL_PATH", lambda: check_model(model))
     checks += data
@@ -436,8 +442,6 @@ def guarded(name: str, check):
     except UserError as exc:
         return [Check(name, "fail", str(exc).split(": ", 1)[0], str(exc).split(": ", 1)[-1])]
     except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the other checks
-        if os.environ.get("APP_DEBUG"):
-            raise
         return [Check(name, "fail", f"this check failed: {type(exc).__name__}: {exc}",
                       "rerun with APP_DEBUG=1 for the traceback and report it")]
     if result is None:
@@ -448,7 +452,7 @@ def guarded(name: str, check):
 STYLE = {"ok": ("OK", "green"), "warn": ("WARN", "yellow"), "fail": ("FAIL", "bold red")}
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     from rich.console import Console
     from rich.markup import escape
 
@@ -456,7 +460,7 @@ def main(command: str, argv: list[str]) -> int:
         raise UserError(f"doctor takes no arguments (got {' '.join(argv)}): settings come from the environment")
     console = Console(highlight=False, soft_wrap=True)  # soft_wrap: one check, one line, even in logs
     console.print(f"[bold]doctor[/] {socket.gethostname()}: is this node ready?")
-    checks = run_checks()
+    checks = run_checks(settings)
     width = max(len(c.name) for c in checks)
     for c in checks:
         label, style = STYLE[c.status]

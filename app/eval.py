@@ -22,7 +22,9 @@ import json
 import time
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, env, env_int, say, warn
+from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.runs import merged_model_for_step, model_dir_problems
+from app.settings import Settings
 
 BACKENDS = ("auto", "vllm", "hf", "reference")
 
@@ -39,39 +41,13 @@ def gsm8k_scorer():
 
 # --- which model, which rows ----------------------------------------------------------------------
 
-def model_for_step(step: str) -> Path:
-    """The directory `make merge STEP=N` wrote: OUT_DIR, else models/<run name>-step<N>."""
-    if not step.isdigit():
-        raise UserError(f"STEP={step!r} is not a step number: set STEP to the merged step (e.g. STEP=100) "
-                        "or MODEL=<model directory>")
-    if env("OUT_DIR"):
-        return Path(env("OUT_DIR")).expanduser().resolve()
-    models = Path.cwd() / "models"
-    names = []
-    try:
-        from app.checkpoints import default_run_dir
-
-        names.append(default_run_dir().name)
-    except UserError:  # no checkpoints on this node (a separate eval box): look at models/ alone
-        pass
-    found = [models / f"{name}-step{step}" for name in names if (models / f"{name}-step{step}").is_dir()]
-    if not found:
-        found = sorted(p for p in models.glob(f"*-step{step}") if p.is_dir())
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise UserError(f"no merged model for step {step} under {models}: run `make merge STEP={step}` first, "
-                        "or pass MODEL=<model directory>")
-    raise UserError(f"several merged models for step {step}: {', '.join(p.name for p in found)}: "
-                    "pass MODEL=<one of them>")
-
-
 def check_model_dir(model: Path) -> None:
-    if not model.is_dir():
+    problems = model_dir_problems(model)
+    if problems == ["not a directory"]:
         raise UserError(f"model {model} does not exist: pass MODEL=<Hugging Face model directory> or "
                         "STEP=<merged step>")
-    if not (model / "config.json").is_file():
-        raise UserError(f"{model} has no config.json: MODEL must be a Hugging Face model directory "
+    if problems:
+        raise UserError(f"{model} has {problems[0]}: MODEL must be a complete Hugging Face model directory "
                         "(a merged one: `make merge STEP=N`)")
 
 
@@ -123,12 +99,12 @@ def chat_prompts(tokenizer, rows: list[dict]) -> list[str]:
     return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
 
 
-def generate_vllm(model: Path, rows: list[dict], max_new: int) -> list[str]:
+def generate_vllm(model: Path, rows: list[dict], max_new: int, tp: int = 1) -> list[str]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model), rows)
-    llm = LLM(model=str(model), tensor_parallel_size=env_int("EVAL_TP", 1), dtype="bfloat16", seed=0,
+    llm = LLM(model=str(model), tensor_parallel_size=tp, dtype="bfloat16", seed=0,
               gpu_memory_utilization=0.85)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=True)
     return [o.outputs[0].text for o in outputs]
@@ -172,12 +148,9 @@ def reference_answers(rows: list[dict]) -> list[str]:
     return out
 
 
-def pick_backend(requested: str) -> str:
+def pick_backend(requested: str, gpus: int) -> str:
     if requested not in BACKENDS:
         raise UserError(f"EVAL_BACKEND={requested!r}: choose one of {', '.join(BACKENDS)}")
-    from app.config import count_gpus
-
-    gpus = count_gpus()[0] or 0
     has_vllm = importlib.util.find_spec("vllm") is not None
     if requested == "vllm" and not (has_vllm and gpus):
         raise UserError("EVAL_BACKEND=vllm needs vLLM and a visible GPU: run on a GPU node in the image, or "
@@ -190,20 +163,19 @@ def pick_backend(requested: str) -> str:
 # --- the evaluation -------------------------------------------------------------------------------
 
 def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str, batch: int | None,
-             max_new: int) -> dict:
+             max_new: int, *, gpus: int = 0, tp: int = 1) -> dict:
+    """`gpus`: the GPUs visible here (preflight.count_gpus); `tp`: vLLM's tensor parallel size (EVAL_TP)."""
     check_model_dir(model)
     scorer = gsm8k_scorer()
     rows = load_rows(data, limit)
-    backend = pick_backend(backend)
+    backend = pick_backend(backend, gpus)
     how = "its reference answers" if backend == "reference" else f"{backend} (greedy, up to {max_new} new tokens)"
     say(f"evaluating {model} on {len(rows)} rows of {data} with {how}")
     started = time.time()
     if backend == "vllm":
-        responses = generate_vllm(model, rows, max_new)
+        responses = generate_vllm(model, rows, max_new, tp)
     elif backend == "hf":
-        from app.config import count_gpus
-
-        responses = generate_hf(model, rows, max_new, batch or (32 if count_gpus()[0] else 8))
+        responses = generate_hf(model, rows, max_new, batch or (32 if gpus else 8))
     else:
         responses = reference_answers(rows)
     seconds = time.time() - started
@@ -233,31 +205,34 @@ def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str
     return summary
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app eval", description=__doc__)
-    parser.add_argument("--model", default=env("MODEL"), help="Hugging Face model directory (MODEL)")
-    parser.add_argument("--step", default=env("STEP"), help="merged step, when no MODEL (STEP)")
+    parser.add_argument("--model", default=settings["MODEL"], help="Hugging Face model directory (MODEL)")
+    parser.add_argument("--step", default=settings["STEP"], help="merged step, when no MODEL (STEP)")
     parser.add_argument("--data", default=None, help="RL parquet (default DATA_DIR/gsm8k/test.parquet)")
-    parser.add_argument("--limit", type=int, default=env_int("LIMIT", 0) or None, help="first N rows (LIMIT)")
-    parser.add_argument("--out", default=env("OUT"), help="output directory (OUT; default <model>/eval)")
-    parser.add_argument("--backend", default=env("EVAL_BACKEND", "auto"), help=f"{'|'.join(BACKENDS)}")
-    parser.add_argument("--batch", type=int, default=env_int("EVAL_BATCH", 0) or None, help="EVAL_BATCH")
-    parser.add_argument("--max-new-tokens", type=int, default=env_int("MAX_NEW_TOKENS", 1024))
+    parser.add_argument("--limit", type=int, default=settings["LIMIT"] or None, help="first N rows (LIMIT)")
+    parser.add_argument("--out", default=settings["OUT"], help="output directory (OUT; default <model>/eval)")
+    parser.add_argument("--backend", default=settings["EVAL_BACKEND"], help=f"{'|'.join(BACKENDS)}")
+    parser.add_argument("--batch", type=int, default=settings["EVAL_BATCH"] or None, help="EVAL_BATCH")
+    parser.add_argument("--max-new-tokens", type=int, default=settings["MAX_NEW_TOKENS"])
     args = parser.parse_args(argv)
     if args.model:
         model = Path(args.model).expanduser().resolve()
     elif args.step:
-        model = model_for_step(args.step)
+        model = merged_model_for_step(args.step, settings)
     else:
         raise UserError("which model? pass MODEL=<model directory> or STEP=<merged step> (make merge STEP=N first)")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"LIMIT={args.limit}: set a positive number of rows, or unset it for all")
     if args.max_new_tokens < 1:
         raise UserError(f"MAX_NEW_TOKENS={args.max_new_tokens}: set a positive number")
-    data = Path(args.data) if args.data else Path(env("DATA_DIR", "data")) / "gsm8k" / "test.parquet"
+    data = Path(args.data) if args.data else Path(settings["DATA_DIR"]) / "gsm8k" / "test.parquet"
     out = Path(args.out).expanduser().resolve() if args.out else model / "eval"
+    from app.preflight import count_gpus
+
     summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,
-                       args.max_new_tokens)
+                       args.max_new_tokens, gpus=count_gpus(settings["CUDA_VISIBLE_DEVICES"])[0] or 0,
+                       tp=settings["EVAL_TP"])
     say(f"GSM8K accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
         f"{summary['formatted']:.0%} gave a '#### n' answer) with {summary['backend']}; "
         f"details in {out}/summary.json and samples.jsonl")

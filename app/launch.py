@@ -1,6 +1,6 @@
 """Launch on this node: `sft` (torchrun), `grpo-head` (Ray head + wait + verl driver), `grpo-worker`.
 
-Every launch runs preflight first (app.config), then either prints the plan (DRY_RUN=1) or runs it.
+Every launch runs preflight first (app.preflight), then either prints the plan (DRY_RUN=1) or runs it.
 The commands are verl's and Ray's own CLIs, started with this interpreter (sys.executable), so the same
 code works in the image, in .venv, and with `PYTHON=python3 PYTHONPATH=...` on a bare GPU box.
 
@@ -21,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from app import config as cfgmod
-from app.common import UserError, env, env_flag, env_int, raise_terminated, say, warn
+from app import composition
+from app.common import UserError, raise_terminated, say, warn
+from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
+                           refuse_without_gpus, report)
+from app.runs import latest_step, logs_dir, swanlog_dir, token_file
+from app.settings import Settings
 
 # Variables a launch hands on to its processes (and Ray actors, through `ray start`) and shows in DRY_RUN.
 PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NVSHMEM_",
@@ -32,10 +36,10 @@ SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
 # --- pieces shared by the targets --------------------------------------------------------------------
-def shown_env(extra: dict[str, str]) -> dict[str, str]:
+def shown_env(settings: Settings, extra: dict[str, str]) -> dict[str, str]:
     """The environment a plan prints: what we set plus the pass-through variables present here."""
     # empty values are Make's exported-but-unset variables: noise, not settings
-    shown = {k: v for k, v in os.environ.items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
+    shown = {k: v for k, v in settings.environ().items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
     shown.update(extra)
     return dict(sorted(shown.items()))
 
@@ -44,31 +48,22 @@ def masked(name: str, value: str) -> str:
     return "***" if any(marker in name for marker in SECRET_MARKERS) and not name.endswith("_PATH") else value
 
 
-def print_plan(title: str, extra_env: dict[str, str], steps: list[tuple[str, list[str]]]) -> None:
+def print_plan(settings: Settings, title: str, extra_env: dict[str, str], steps: list[tuple[str, list[str]]]) -> None:
     """DRY_RUN output: the environment and the exact commands, copy-pasteable."""
     say(f"plan for {title} (DRY_RUN=1: nothing is started)")
     say("environment:")
-    for name, value in shown_env(extra_env).items():
+    for name, value in shown_env(settings, extra_env).items():
         say(f"  export {name}={shlex.quote(masked(name, value))}")
     for what, command in steps:
         say(f"{what}:")
         say(f"  {shlex.join(command)}")
 
 
-def latest_step(run: Path) -> int | None:
-    """The step verl resumes from in `run` (resume_mode=auto), or None for a fresh start."""
-    marker = run / "latest_checkpointed_iteration.txt"
-    try:
-        return int(marker.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def prepare_run_dir(plan: cfgmod.Preflight, dry: bool) -> None:
+def prepare_run_dir(plan: Preflight, fresh: bool, dry: bool) -> None:
     """FRESH=1 moves the old run aside (never deletes it); otherwise say whether verl will resume."""
-    run = plan.settings.run_dir
+    run = plan.launch.run_dir
     resume_mode = plan.config.trainer.get("resume_mode", "auto")
-    if env_flag("FRESH") and run.exists() and any(run.iterdir()):
+    if fresh and run.exists() and any(run.iterdir()):
         aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         if dry:
             say(f"FRESH=1: would move {run} aside to {aside}")
@@ -85,57 +80,50 @@ def prepare_run_dir(plan: cfgmod.Preflight, dry: bool) -> None:
         say(f"starting a new run in {run}")
 
 
-def run_process(what: str, command: list[str], extra_env: dict[str, str]) -> int:
+def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str]) -> int:
     """Run a long foreground process with our environment (its own output is the progress). If we are
     interrupted (Ctrl-C, SIGTERM), it gets SIGTERM and time to stop its own children first."""
     say(f"$ {shlex.join(command)}")
-    process = subprocess.Popen(command, env={**os.environ, **extra_env})
+    process = subprocess.Popen(command, env=settings.environ(extra_env))
     try:
         return process.wait()
     finally:
         stop_process(process, what)
 
 
-def preflight_and_report(job: str, dry: bool) -> cfgmod.Preflight:
+def preflight_and_report(job: str, settings: Settings, dry: bool) -> Preflight:
     # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
-    plan = cfgmod.preflight(job, deep=job == "grpo", gpus=not dry)
-    cfgmod.report(plan)
+    plan = preflight(job, settings, deep=job == "grpo", gpus=not dry)
+    report(plan)
     return plan
 
 
-def tracking(run: Path, dry: bool) -> dict[str, str]:
+def tracking(run: Path, settings: Settings, dry: bool) -> dict[str, str]:
     """app.tracking's environment for `run`; on a dry run, without leaving the directories it creates."""
     from app.tracking import tracking_env
 
     if not dry:
-        return tracking_env(run)
-    fresh = [d for d in (run / "logs", run / "swanlog", run) if not d.exists()]
+        return tracking_env(run, settings["SWANLAB_MODE"])
+    fresh = [d for d in (logs_dir(run), swanlog_dir(run), run) if not d.exists()]
     try:
-        return tracking_env(run)
+        return tracking_env(run, settings["SWANLAB_MODE"])
     finally:
         for directory in fresh:  # children first; only the empty ones this call created
             if directory.is_dir() and not any(directory.iterdir()):
                 directory.rmdir()
 
 
-def before_args(plan: cfgmod.Preflight, extra: list[str]) -> list[str]:
-    """plan.overrides with `extra` inserted before the user's ARGS (which keep the last word)."""
-    n = len(plan.settings.args)
-    head, tail = (plan.overrides[:-n], plan.overrides[-n:]) if n else (plan.overrides, [])
-    return [*head, *extra, *tail]
-
-
 def hydra_args(job: str, overrides: list[str]) -> list[str]:
     """The arguments that make verl's entry point compose exactly the config preflight checked."""
-    return ["--config-dir", str(cfgmod.CONFIG_DIR), "--config-name", job, *overrides]
+    return ["--config-dir", str(composition.CONFIG_DIR), "--config-name", job, *overrides]
 
 
 # --- SFT ---------------------------------------------------------------------------------------------
-def sft_command(plan: cfgmod.Preflight) -> list[str]:
+def sft_command(plan: Preflight, settings: Settings) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`) for this node: standalone on one node, a static
     rendezvous at MASTER_ADDR:MASTER_PORT across nodes; the same line everywhere but --node-rank."""
-    s = plan.settings
-    module = env("SFT_TRAINER_MODULE", cfgmod.ENTRY_POINT["sft"])  # test hook: a tiny CPU stand-in
+    s = plan.launch
+    module = settings["SFT_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny CPU stand-in
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(s.nnodes),
                "--nproc-per-node", str(s.gpus_per_node)]
     if s.multi_node:
@@ -143,23 +131,23 @@ def sft_command(plan: cfgmod.Preflight) -> list[str]:
                     "--master-port", str(s.master_port)]
     else:
         command += ["--standalone"]
-    return command + ["-m", module, *hydra_args("sft", plan.overrides)]
+    return command + ["-m", module, *hydra_args("sft", plan.hydra_overrides())]
 
 
-def launch_sft() -> int:
-    dry = env_flag("DRY_RUN")
-    plan = preflight_and_report("sft", dry)
-    s = plan.settings
-    command = sft_command(plan)
-    prepare_run_dir(plan, dry)  # FRESH first: the tracking directories belong to the new run
-    extra = tracking(s.run_dir, dry)
+def launch_sft(settings: Settings) -> int:
+    dry = settings["DRY_RUN"]
+    plan = preflight_and_report("sft", settings, dry)
+    s = plan.launch
+    command = sft_command(plan, settings)
+    prepare_run_dir(plan, settings["FRESH"], dry)  # FRESH first: the tracking directories belong to the new run
+    extra = tracking(s.run_dir, settings, dry)
     if dry:
-        print_plan(f"sft on node {s.node_rank} of {s.nnodes}", extra, [("train", command)])
+        print_plan(settings, f"sft on node {s.node_rank} of {s.nnodes}", extra, [("train", command)])
         return 0
     if s.multi_node:
         say(f"node {s.node_rank} of {s.nnodes}: waiting at {s.master_addr}:{s.master_port} for the others "
             "(run the same command with their NODE_RANK); this node's shards go to " + str(s.run_dir))
-    rc = run_process("sft", command, extra)
+    rc = run_process(settings, "sft", command, extra)
     if rc != 0:
         raise UserError(f"the SFT trainer exited with code {rc} (its output is above): fix the cause and rerun "
                         "the same command; it resumes from the latest checkpoint")
@@ -168,21 +156,21 @@ def launch_sft() -> int:
 
 
 # --- Ray: token, head, wait, worker --------------------------------------------------------------------
-def token_path(run: Path) -> Path:
+def token_path(run: Path, settings: Settings) -> Path:
     """Where the head writes the cluster token (mode 600) for workers that share the run volume."""
-    explicit = env("RAY_AUTH_TOKEN_PATH")
-    return Path(explicit).expanduser().resolve() if explicit else run / ".ray_auth_token"
+    explicit = settings["RAY_AUTH_TOKEN_PATH"]
+    return Path(explicit).expanduser().resolve() if explicit else token_file(run)
 
 
-def ray_auth_env(run: Path, *, create: bool) -> dict[str, str]:
+def ray_auth_env(run: Path, settings: Settings, *, create: bool) -> dict[str, str]:
     """Ray's token authentication settings (RAY_AUTH_MODE=token + RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH).
 
     A RAY_AUTH_TOKEN from `.env` wins; else the head generates one into token_path() and workers read
     that file. The token is never written into the image or the repository.
     """
-    if env("RAY_AUTH_TOKEN"):
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": env("RAY_AUTH_TOKEN")}
-    path = token_path(run)
+    if settings["RAY_AUTH_TOKEN"]:
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": settings["RAY_AUTH_TOKEN"]}
+    path = token_path(run, settings)
     if create and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -207,26 +195,19 @@ def ray_cli() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def extra_ray_args() -> list[str]:
-    try:
-        return shlex.split(env("RAY_START_ARGS", "") or "")
-    except ValueError as exc:
-        raise UserError(f"RAY_START_ARGS cannot be split like a shell line ({exc}): check its quotes") from None
-
-
-def head_command(s: cfgmod.Settings) -> list[str]:
+def head_command(s: Launch, settings: Settings) -> list[str]:
     """`ray start --head --block`: blocking, so stopping it stops exactly the Ray processes it started.
     The dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
     return [*ray_cli(), "start", "--head", "--block", "--node-ip-address", s.head_ip or "127.0.0.1",
-            "--port", str(s.ray_port), "--dashboard-host", env("DASHBOARD_HOST", "127.0.0.1"),
-            "--disable-usage-stats", *extra_ray_args()]
+            "--port", str(s.ray_port), "--dashboard-host", settings["DASHBOARD_HOST"],
+            "--disable-usage-stats", *settings.get("RAY_START_ARGS", ())]
 
 
-def worker_command(s: cfgmod.Settings) -> list[str]:
+def worker_command(s: Launch, settings: Settings) -> list[str]:
     command = [*ray_cli(), "start", "--address", s.ray_address, "--block", "--disable-usage-stats"]
-    if env("NODE_IP"):
-        command += ["--node-ip-address", env("NODE_IP")]
-    return command + extra_ray_args()
+    if settings["NODE_IP"]:
+        command += ["--node-ip-address", settings["NODE_IP"]]
+    return command + list(settings.get("RAY_START_ARGS", ()))
 
 
 class ClusterAddressFile:
@@ -240,23 +221,25 @@ class ClusterAddressFile:
     Ray): `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, settings: Settings):
         self.address = address
-        self.path = self.locate()
+        self.path = self.locate(settings)
         self.before = self.read()
 
     @staticmethod
-    def locate() -> Path:
-        args = extra_ray_args()
+    def locate(settings: Settings) -> Path:
+        """Where the `ray start` we run (with settings.environ()) writes the file."""
+        args = list(settings.get("RAY_START_ARGS", ()))
+        environ = settings.environ()
         for i, arg in enumerate(args):
             if arg == "--temp-dir" and i + 1 < len(args):
                 return Path(args[i + 1]) / "ray_current_cluster"
             if arg.startswith("--temp-dir="):
                 return Path(arg.split("=", 1)[1]) / "ray_current_cluster"
-        if "RAY_TMPDIR" in os.environ:
-            base = os.environ["RAY_TMPDIR"]
-        elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
-            base = os.environ["TMPDIR"]
+        if "RAY_TMPDIR" in environ:
+            base = environ["RAY_TMPDIR"]
+        elif sys.platform.startswith("linux") and "TMPDIR" in environ:
+            base = environ["TMPDIR"]
         else:
             base = "/tmp"
         return Path(base) / "ray" / "ray_current_cluster"
@@ -422,50 +405,52 @@ def stop_process(process: subprocess.Popen, what: str, grace: float = 60.0) -> N
         process.wait()
 
 
-def grpo_driver_command(plan: cfgmod.Preflight, extra_overrides: list[str]) -> list[str]:
-    module = env("GRPO_TRAINER_MODULE", cfgmod.ENTRY_POINT["grpo"])  # test hook: a tiny stand-in driver
-    return [sys.executable, "-m", module, *hydra_args("grpo", before_args(plan, extra_overrides))]
+def grpo_driver_command(plan: Preflight, settings: Settings, extra_overrides: list[str]) -> list[str]:
+    module = settings["GRPO_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny stand-in driver
+    return [sys.executable, "-m", module, *hydra_args("grpo", plan.hydra_overrides(extra_overrides))]
 
 
-def launch_grpo_head() -> int:
+def launch_grpo_head(settings: Settings) -> int:
     from app.tracking import tracking_overrides
 
-    dry = env_flag("DRY_RUN")
-    problem = head_ip_problem(env("HEAD_IP"))
+    dry = settings["DRY_RUN"]
+    problem = head_ip_problem(settings["HEAD_IP"])
     if problem and not dry:  # before preflight's notes: the one line is the refusal
         raise UserError(problem)
-    plan = preflight_and_report("grpo", dry)
-    s = plan.settings
+    plan = preflight_and_report("grpo", settings, dry)
+    s = plan.launch
     if problem:  # a plan may be printed anywhere; starting the head may not
         warn(problem)
-    timeout = env_int("WAIT_TIMEOUT", 600)
-    prepare_run_dir(plan, dry)  # FRESH first: the token and tracking directories belong to the new run
-    track = tracking(s.run_dir, dry)
-    auth = ray_auth_env(s.run_dir, create=not dry)
-    head_cmd = head_command(s)
+    timeout = settings["WAIT_TIMEOUT"]
+    prepare_run_dir(plan, settings["FRESH"], dry)  # FRESH first: the token and tracking directories belong to the new run
+    track = tracking(s.run_dir, settings, dry)
+    auth = ray_auth_env(s.run_dir, settings, create=not dry)
+    head_cmd = head_command(s, settings)
     # this attempt's tracking settings also travel in the job's runtime_env, to actors on every node
-    driver_cmd = grpo_driver_command(plan, tracking_overrides(track))
+    driver_cmd = grpo_driver_command(plan, settings, tracking_overrides(track))
     extra = {**track, **auth}
     if dry:
-        print_plan(f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",
+        print_plan(settings, f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",
                    {**extra, "RAY_ADDRESS": s.ray_address}, [
                        ("start the Ray head (stopped again when GRPO ends)", head_cmd),
                        (f"then wait up to {timeout}s for {s.nnodes} node(s) with {s.gpus_per_node} GPU(s) each "
                         "(ray.nodes()), then run GRPO against that cluster", driver_cmd)])
         return 0
-    os.environ.update(auth)  # the wait's driver (a spawned interpreter) joins with the same token
+    # A write, not a read: the wait's driver (a spawned interpreter) inherits os.environ and joins with
+    # the same token.
+    os.environ.update(auth)
     head: subprocess.Popen | None = None
     address_file: ClusterAddressFile | None = None
     if port_open(s.head_ip or "127.0.0.1", s.ray_port):
         say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
     else:
         say(f"$ {shlex.join(head_cmd)}")
-        address_file = ClusterAddressFile(s.ray_address)
-        head = subprocess.Popen(head_cmd, env={**os.environ, **extra})
+        address_file = ClusterAddressFile(s.ray_address, settings)
+        head = subprocess.Popen(head_cmd, env=settings.environ(extra))
     try:
         nodes = wait_for_nodes(s.ray_address, s.nnodes, s.gpus_per_node, timeout, head)
         say(f"cluster ready: {describe_nodes(nodes)}")
-        rc = run_process("grpo", driver_cmd, {**extra, "RAY_ADDRESS": s.ray_address})
+        rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": s.ray_address})
     finally:
         if head is not None:
             say("stopping the Ray head (workers leave when it goes away)")
@@ -478,26 +463,26 @@ def launch_grpo_head() -> int:
     return 0
 
 
-def launch_grpo_worker() -> int:
+def launch_grpo_worker(settings: Settings) -> int:
     """Join the head (retrying while it is not up yet) and stay in the foreground until it goes away."""
     from tqdm import tqdm
 
-    dry = env_flag("DRY_RUN")
-    s = cfgmod.read_settings("grpo")
+    dry = settings["DRY_RUN"]
+    s = read_launch("grpo", settings)
     if not s.head_ip:
         raise UserError("HEAD_IP is not set: set it to the Ray head's IP (the same HEAD_IP as on the head)")
-    cfgmod.refuse_stale_environment()  # Ray actors on this node inherit its environment
+    refuse_stale_environment(settings)  # Ray actors on this node inherit its environment
     if s.gpus_seen is not None and s.gpus_seen != s.gpus_per_node:
         raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) ({s.gpu_source}): "
                         f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
     if not dry:
-        cfgmod.refuse_without_gpus(s, "make grpo-worker")
-    command = worker_command(s)
-    timeout = env_int("WAIT_TIMEOUT", 600)
-    extra = tracking(s.run_dir, dry)
+        refuse_without_gpus(s, settings, "make grpo-worker")
+    command = worker_command(s, settings)
+    timeout = settings["WAIT_TIMEOUT"]
+    extra = tracking(s.run_dir, settings, dry)
     if dry:
-        auth = ray_auth_env(s.run_dir, create=False)
-        print_plan(f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
+        auth = ray_auth_env(s.run_dir, settings, create=False)
+        print_plan(settings, f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
             (f"wait up to {timeout}s for the head, then join it and stay until it goes away", command)])
         return 0
     reach = head_reachable(s.head_ip, s.ray_port)
@@ -510,28 +495,29 @@ def launch_grpo_worker() -> int:
     deadline = time.monotonic() + timeout
     with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
         while True:
-            auth = _worker_auth(s)
+            auth = _worker_auth(s, settings)
             if auth is not None and port_open(s.head_ip, s.ray_port):
                 break
             if time.monotonic() > deadline:
-                missing = "the token (RAY_AUTH_TOKEN in .env, or " + str(token_path(s.run_dir)) + ")" \
+                missing = "the token (RAY_AUTH_TOKEN in .env, or " + str(token_path(s.run_dir, settings)) + ")" \
                     if auth is None else f"{s.ray_address} answering"
                 raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
                                 "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
             time.sleep(2.0)
             bar.update(2)
-    address_file = ClusterAddressFile(s.ray_address)
+    address_file = ClusterAddressFile(s.ray_address, settings)
     try:
-        return _run_worker(s, command, {**extra, **auth}, deadline)
+        return _run_worker(s, settings, command, {**extra, **auth}, deadline)
     finally:
         address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
 
 
-def _run_worker(s: cfgmod.Settings, command: list[str], environment: dict[str, str], deadline: float) -> int:
+def _run_worker(s: Launch, settings: Settings, command: list[str], environment: dict[str, str],
+                deadline: float) -> int:
     """`ray start --address ... --block` until the head goes away; retried while the head is still starting."""
     while True:
         started = time.monotonic()
-        rc = run_process("grpo-worker", command, environment)
+        rc = run_process(settings, "grpo-worker", command, environment)
         if not port_open(s.head_ip, s.ray_port):
             say(f"the Ray head at {s.ray_address} went away: worker stopped")
             return 0
@@ -543,13 +529,13 @@ def _run_worker(s: cfgmod.Settings, command: list[str], environment: dict[str, s
                         "check the token (RAY_AUTH_TOKEN / token file) is the head's, then rerun")
 
 
-def _worker_auth(s: cfgmod.Settings) -> dict[str, str] | None:
-    if env("RAY_AUTH_TOKEN"):
-        return ray_auth_env(s.run_dir, create=False)
-    return ray_auth_env(s.run_dir, create=False) if token_path(s.run_dir).is_file() else None
+def _worker_auth(s: Launch, settings: Settings) -> dict[str, str] | None:
+    if settings["RAY_AUTH_TOKEN"]:
+        return ray_auth_env(s.run_dir, settings, create=False)
+    return ray_auth_env(s.run_dir, settings, create=False) if token_path(s.run_dir, settings).is_file() else None
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     # SIGTERM from docker/kill raises Terminated (a KeyboardInterrupt), so that `finally` stops what
     # this launch started
     signal.signal(signal.SIGTERM, raise_terminated)
@@ -558,4 +544,4 @@ def main(command: str, argv: list[str]) -> int:
         return 0
     if argv:
         raise UserError(f"`{command}` takes no arguments: settings come from the environment (see make help)")
-    return {"sft": launch_sft, "grpo-head": launch_grpo_head, "grpo-worker": launch_grpo_worker}[command]()
+    return {"sft": launch_sft, "grpo-head": launch_grpo_head, "grpo-worker": launch_grpo_worker}[command](settings)

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import REPO_ROOT, UserError, atomic_path, env, env_flag, env_int, say
+from app.common import REPO_ROOT, UserError, atomic_path, say
+from app.runs import LATEST_FILE, logs_dir, step_dir
+from app.settings import Settings
 
 # Variables a user's .env / shell may carry for a real (multi-node) run; smoke sets its own or drops them.
 _DROPPED = ("DRY_RUN", "TRAIN_FILE", "VAL_FILE", "STEP", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "JOB",
@@ -76,16 +78,16 @@ class Plan:
         return self.root / "merged"
 
 
-def plan() -> Plan:
+def plan(settings: Settings) -> Plan:
     """The stages smoke runs, with the exact argv and the settings each one gets."""
-    root = Path(env("SMOKE_DIR", "checkpoints/smoke")).expanduser().resolve()
-    steps = env_int("SMOKE_STEPS", 12)
+    root = Path(settings["SMOKE_DIR"]).expanduser().resolve()
+    steps = settings["SMOKE_STEPS"]
     if steps < 4:
         raise UserError(f"SMOKE_STEPS={steps} is too few to tell whether the loss goes down: use 4 or more")
     data, model, run, merged = root / "data", root / "model", root / "run", root / "merged"
     app = [sys.executable, "-m", "app"]
     overrides = _SFT_OVERRIDES + [f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}"]
-    user_args = env("ARGS", "")
+    user_args = settings.raw("ARGS")  # after smoke's own, as written: the user's win
     args = " ".join(overrides) + (f" {user_args}" if user_args else "")
     sft_env = {"MODEL_PATH": str(model), "DATA_DIR": str(data), "CKPT_DIR": str(run), "NNODES": "1",
                "NODE_RANK": "0", "GPUS_PER_NODE": "1", "FRESH": "1", "ARGS": args}
@@ -100,13 +102,14 @@ def plan() -> Plan:
     return Plan(root, steps, stages)
 
 
-def child_env(stage: Stage) -> dict[str, str]:
-    """The environment of a stage: the caller's, minus real-run settings, plus the stage's own."""
-    out = {k: v for k, v in os.environ.items() if k not in _DROPPED}
+def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
+    """The environment of a stage: the caller's (with .env), minus real-run settings, plus the stage's own."""
+    environ = settings.environ()
+    out = {k: v for k, v in environ.items() if k not in _DROPPED}
     # Keep the repo importable in the child whatever the cwd (GPU boxes run PYTHONPATH=/some/site).
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        out["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), environ.get("PYTHONPATH", "")) if p)
+    if settings["CUDA_VISIBLE_DEVICES"] is not None:
+        out["CUDA_VISIBLE_DEVICES"] = settings["CUDA_VISIBLE_DEVICES"].split(",")[0]
     else:
         out["CUDA_VISIBLE_DEVICES"] = "0"  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
     out.update(stage.env)
@@ -136,7 +139,7 @@ def gpu_count() -> int:
 
 def read_losses(run: Path) -> list[tuple[int, float]]:
     """(step, train/loss) pairs from verl's file logger JSONL (`{"step": N, "data": {...}}` per line)."""
-    logs = sorted((run / "logs").glob("metrics-*.jsonl"))
+    logs = sorted(logs_dir(run).glob("metrics-*.jsonl"))
     if not logs:
         raise UserError(f"no metrics log in {run / 'logs'}: the SFT wrote no JSONL; check that "
                         "trainer.logger includes 'file' (ARGS must not replace it)")
@@ -170,13 +173,13 @@ def loss_went_down(losses: list[tuple[int, float]]) -> tuple[float, float]:
 
 def check_checkpoint(run: Path, step: int) -> Path:
     """The rank-0 model shard of `step`, after checking verl's SFT layout around it."""
-    marker = run / "latest_checkpointed_iteration.txt"
+    marker = run / LATEST_FILE
     if not marker.is_file():
         raise UserError(f"{marker} is missing: the SFT saved no checkpoint; look at its output above")
     latest = marker.read_text().strip()
     if latest != str(step):
         raise UserError(f"latest checkpoint is step {latest}, expected {step}: the SFT stopped early")
-    shard = run / f"global_step_{step}" / "model_world_size_1_rank_0.pt"
+    shard = step_dir(run, step) / "model_world_size_1_rank_0.pt"
     if not shard.is_file() or shard.stat().st_size == 0:
         raise UserError(f"{shard} is missing or empty: the checkpoint is incomplete")
     return shard
@@ -229,9 +232,9 @@ def first_test_prompt(data: Path) -> str:
 
 # --- the command ------------------------------------------------------------------------------------
 
-def run_stage(stage: Stage) -> None:
+def run_stage(stage: Stage, settings: Settings) -> None:
     started = time.monotonic()
-    result = subprocess.run(stage.argv, env=child_env(stage), cwd=os.getcwd())
+    result = subprocess.run(stage.argv, env=child_env(stage, settings), cwd=os.getcwd())
     if result.returncode != 0:
         settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in stage.env.items())
         raise UserError(f"smoke stage '{stage.name}' failed (exit {result.returncode}) after "
@@ -239,14 +242,14 @@ def run_stage(stage: Stage) -> None:
                         f"{settings + ' ' if settings else ''}python -m app {shlex.join(stage.argv[3:])}")
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__)
         return 0
     if argv:
         raise UserError(f"smoke takes no arguments (got {' '.join(argv)}): use SMOKE_DIR, SMOKE_STEPS, ARGS")
-    p = plan()
-    if env_flag("DRY_RUN"):
+    p = plan(settings)
+    if settings["DRY_RUN"]:
         print_plan(p)
         return 0
     gpus = gpu_count()
@@ -264,7 +267,7 @@ def main(command: str, argv: list[str]) -> int:
         bar.set_description(f"smoke: {stage.name}")
         say(f"\n=== smoke [{bar.n + 1}/{len(p.stages)}] {stage.name}: {stage.what}")
         if stage.argv:
-            run_stage(stage)
+            run_stage(stage, settings)
         if stage.name == "sft":
             check_checkpoint(p.run, p.steps)
             first, last = loss_went_down(read_losses(p.run))

@@ -101,9 +101,10 @@ def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype
     return out
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings) -> int:
     parser = ArgParser(prog="python -m app tiny-model", description=__doc__)
-    parser.add_argument("out", help="directory to write the model to")
+    parser.add_argument("out", nargs="?", default=settings.get("OUT", "models/tiny"),
+                        help="directory to write the model to (default: OUT, else models/tiny)")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -25,7 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, env, env_int, say, warn
+from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.runs import default_run_dir, logs_dir, swanlog_dir
+from app.settings import Settings
 
 # swanlab 0.10's local mode records into swanboard's database; it checks for exactly this version.
 SWANBOARD_VERSION = "0.1.10b2"
@@ -47,24 +49,24 @@ def swanboard_problem() -> str | None:
     return None
 
 
-def tracking_env(run: Path) -> dict[str, str]:
-    """Environment that sends a run's metrics to files under `run`.
+def tracking_env(run: Path, swanlab_mode: str = "local") -> dict[str, str]:
+    """Environment that sends a run's metrics to files under `run` (SWANLAB_MODE is `swanlab_mode`).
 
     verl's FileLogger opens its file with "wb" (truncating it on every restart), so each attempt
     writes its own logs/metrics-<UTC time>.jsonl; `report` reads them all in order.
     """
     run = Path(run)
-    logs = run / "logs"
+    logs = logs_dir(run)
     # verl's FileLogger opens VERL_FILE_LOGGER_PATH without creating its directory.
     logs.mkdir(parents=True, exist_ok=True)
-    (run / "swanlog").mkdir(parents=True, exist_ok=True)
+    swanlog_dir(run).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = logs / f"metrics-{stamp}.jsonl"
     n = 0
     while path.exists():  # two attempts in the same second must not share (and truncate) one file
         n += 1
         path = logs / f"metrics-{stamp}-{n}.jsonl"
-    mode = env("SWANLAB_MODE", "local")
+    mode = swanlab_mode
     if mode == "local":
         problem = swanboard_problem()
         if problem:
@@ -74,7 +76,7 @@ def tracking_env(run: Path) -> dict[str, str]:
             mode = "offline"
     return {
         "SWANLAB_MODE": mode,
-        "SWANLAB_LOG_DIR": str(run / "swanlog"),
+        "SWANLAB_LOG_DIR": str(swanlog_dir(run)),
         "VERL_FILE_LOGGER_PATH": str(path),
     }
 
@@ -133,7 +135,7 @@ def log_files(run: Path) -> list[Path]:
             return (m.group(1), int(m.group(2) or 0))
         return (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime)), 0)
 
-    return sorted((run / "logs").glob("metrics-*.jsonl"), key=order)
+    return sorted(logs_dir(run).glob("metrics-*.jsonl"), key=order)
 
 
 def _number(value) -> float | None:
@@ -332,12 +334,12 @@ def report(run: Path) -> Path:
 
 # --- board ----------------------------------------------------------------------------------------
 
-def find_swanlog(run: str | None) -> Path:
+def find_swanlog(run: str | None, ckpt_dir: str | None) -> Path:
     """The swanlog directory to serve: RUN's, else CKPT_DIR's, else the newest under checkpoints/."""
     if run:
-        candidates = [Path(run) / "swanlog", Path(run)]
-    elif env("CKPT_DIR"):
-        candidates = [Path(env("CKPT_DIR")) / "swanlog"]
+        candidates = [swanlog_dir(Path(run)), Path(run)]
+    elif ckpt_dir:
+        candidates = [swanlog_dir(Path(ckpt_dir))]
     else:
         dbs = sorted((Path.cwd() / "checkpoints").glob("*/swanlog/runs.swanlab"), key=lambda p: p.stat().st_mtime)
         candidates = [db.parent for db in reversed(dbs)]
@@ -347,12 +349,12 @@ def find_swanlog(run: str | None) -> Path:
     for candidate in candidates:
         if (candidate / "runs.swanlab").is_file():
             return candidate.resolve()
-    where = run or env("CKPT_DIR") or "checkpoints/*"
+    where = run or ckpt_dir or "checkpoints/*"
     raise UserError(f"no swanlab logs yet under {where}: start a run with SWANLAB_MODE=local "
                     "(make sft or make grpo-head), or pass RUN=<run directory>")
 
 
-def board(run: str | None, host: str, port: int) -> int:
+def board(run: str | None, ckpt_dir: str | None, host: str, port: int, environ: dict[str, str]) -> int:
     try:
         ipaddress.IPv4Address(host)  # swanboard accepts IPv4 only, and fails silently otherwise
     except ValueError:
@@ -360,7 +362,7 @@ def board(run: str | None, host: str, port: int) -> int:
                         "or 0.0.0.0 (every interface)") from None
     if not 1 <= port <= 65535:
         raise UserError(f"BOARD_PORT={port} is not a port: choose one in 1..65535")
-    logdir = find_swanlog(run)
+    logdir = find_swanlog(run, ckpt_dir)
     problem = swanboard_problem()
     if problem:
         raise UserError(f"{problem}: pip install 'swanboard=={SWANBOARD_VERSION}' (swanlab's dashboard), "
@@ -368,27 +370,25 @@ def board(run: str | None, host: str, port: int) -> int:
     say(f"serving the swanlab dashboard of {logdir} on http://{host}:{port} (Ctrl-C stops it; "
         "if the port is taken swanlab picks another and prints it)")
     # exec, not a child: Ctrl-C and `kill` reach the server itself, no orphan keeps the port
-    os.execv(sys.executable, [sys.executable, "-m", "swanlab", "watch", str(logdir), "--host", host,
-                              "--port", str(port)])
+    os.execve(sys.executable, [sys.executable, "-m", "swanlab", "watch", str(logdir), "--host", host,
+                               "--port", str(port)], environ)
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog=f"python -m app {command}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", nargs="?", default=env("RUN"), help="run directory (default: RUN)")
+    parser.add_argument("run", nargs="?", default=settings["RUN"], help="run directory (default: RUN)")
     if command == "board":
-        parser.add_argument("--host", default=env("BOARD_HOST", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=env_int("BOARD_PORT", 5092))
+        parser.add_argument("--host", default=settings["BOARD_HOST"], help="BOARD_HOST")
+        parser.add_argument("--port", type=int, default=settings["BOARD_PORT"], help="BOARD_PORT")
     args = parser.parse_args(argv)
     if command == "board":
-        return board(args.run, args.host, args.port)
+        return board(args.run, settings["CKPT_DIR"], args.host, args.port, settings.environ())
     if args.run:
         run = Path(args.run).expanduser().resolve()
     else:
-        from app.checkpoints import default_run_dir  # CKPT_DIR, JOB's run, or the one run present
-
-        try:
-            run = default_run_dir()
+        try:  # CKPT_DIR, JOB's run, or the one run present
+            run = default_run_dir(settings)
         except UserError:
             raise UserError("which run? pass RUN=<run directory>, e.g. make report RUN=checkpoints/grpo-gsm8k"
                             ) from None

@@ -15,12 +15,13 @@ NNODES, GPUS_PER_NODE, HEAD_IP/RAY_PORT; a different value in the file is report
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import os
 from pathlib import Path
+from types import MappingProxyType
 
-from app.common import UserError, env
+from app.common import UserError
 
 # setting -> the key of each job's config the file may give it through
 FILE_SETTINGS: dict[str, dict[str, str]] = {
@@ -36,8 +37,8 @@ MACHINE_KEYS = {"trainer.nnodes": "NNODES", "trainer.n_gpus_per_node": "GPUS_PER
 IGNORED_TOP_KEYS = ("defaults", "hydra")  # a walkthrough file's own Hydra plumbing: we layer it ourselves
 
 
-def config_path() -> Path | None:
-    raw = env("CONFIG")
+def config_path(settings) -> Path | None:
+    raw = settings["CONFIG"]
     if raw is None:
         return None
     path = Path(raw).expanduser()
@@ -80,40 +81,54 @@ def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def user_leaves() -> tuple[Path, dict[str, object]] | None:
+def user_leaves(settings) -> tuple[Path, dict[str, object]] | None:
     """(CONFIG's path, its leaves), or None without CONFIG."""
-    path = config_path()
+    path = config_path(settings)
     return (path, _load(path)) if path is not None else None
 
 
-def apply_settings(job: str) -> None:
-    """Give each unset setting of FILE_SETTINGS the file's value (a plain value, not an interpolation)."""
-    found = user_leaves()
+def with_values(settings, raw: dict[str, str], source: str):
+    """`settings` with the unset variables of `raw` given those values (parsed and checked as the registry
+    does), marked as coming from `source`."""
+    from app.settings import BY_NAME, _value
+
+    values = dict(settings.values)
+    for name, text in raw.items():
+        values[name] = _value(BY_NAME[name], text, source)
+    return dataclasses.replace(settings, values=MappingProxyType(values))
+
+
+def with_file_defaults(job: str, settings):
+    """`settings` where each unset setting of FILE_SETTINGS has the file's value (a plain value, not an
+    interpolation): an explicit setting wins, the file's value comes next, the stack's default last."""
+    found = user_leaves(settings)
     if found is None:
-        return
+        return settings
     _, values = found
+    given = {}
     for name, keys in FILE_SETTINGS.items():
         value = values.get(keys[job])
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
-        if env(name) is None and isinstance(value, (str, int, float)) and "${" not in str(value):
-            os.environ[name] = str(value)
+        if not settings.is_set(name) and isinstance(value, (str, int, float)) and "${" not in str(value):
+            given[name] = str(value)
+    return with_values(settings, given, "CONFIG") if given else settings
 
 
-def overrides(job: str) -> list[str]:
+def overrides(settings) -> list[str]:
     """The file as Hydra overrides (`++` also adds keys verl declares as free-form, e.g. override_config)."""
-    found = user_leaves()
+    found = user_leaves(settings)
     return [] if found is None else [f"++{key}={hydra_literal(value)}" for key, value in found[1].items()]
 
 
-def machine_warnings(job: str, settings) -> list[str]:
+def machine_warnings(job: str, settings, launch) -> list[str]:
     """The file's machine-describing values that the settings replace."""
-    found = user_leaves()
+    found = user_leaves(settings)
     if found is None:
         return []
     path, values = found
-    ours = {"trainer.nnodes": settings.nnodes, "trainer.n_gpus_per_node": settings.gpus_per_node,
-            "ray_kwargs.ray_init.address": settings.ray_address if job == "grpo" else None}
+    ours = {"trainer.nnodes": launch.nnodes, "trainer.n_gpus_per_node": launch.gpus_per_node,
+            "ray_kwargs.ray_init.address": launch.ray_address if job == "grpo" else None}
     out = []
     for key, setting in MACHINE_KEYS.items():
         value = values.get(key)

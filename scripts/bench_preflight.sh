@@ -36,10 +36,12 @@ measure "check grpo (+verl validate)" "$python" -m app check grpo
 "$python" - <<'PY'
 import contextlib, io, os, sys
 from omegaconf import OmegaConf
-from app import config as c
+from app import composition as c, preflight as p
 from app.__main__ import main
+from app.settings import load
 for job in ("sft", "grpo"):
-    overrides = c.render_overrides(c.read_settings(job), c.attention_overrides(job)[0])
+    launch = p.read_launch(job, load())
+    overrides = p.with_user_args(p.stack_overrides(launch, c.attention_overrides(job)[0]), launch.args)
     fast, stock = (repr(OmegaConf.to_container(c.compose(job, overrides, libyaml=flag))) for flag in (True, False))
     assert fast == stock, f"{job}: libyaml and PyYAML compose different configs"
 print("sft and grpo configs composed with libyaml == with PyYAML's pure-Python parser")

@@ -12,6 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A developer's own .env must not change what the suite sees: in-process settings and every `python -m app`
+# the tests start read no .env unless a test points ENV_FILE at one (tests/test_settings.py does).
+os.environ["ENV_FILE"] = os.devnull
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app import config as cfgmod
+from app import composition
+from app import preflight as pf
 from app.common import UserError
+from app.settings import load
 from conftest import REPO, assert_one_line_error, run_app
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
@@ -43,11 +45,16 @@ def launch_env(monkeypatch, tmp_path, data_dir, tiny_model_dir) -> dict[str, str
     return values
 
 
+def plan_of(job: str) -> pf.Preflight:
+    """Preflight of `job` with the settings of this process's environment, read once, as a command does."""
+    return pf.preflight(job, load())
+
+
 def rejects(job: str, monkeypatch, match: str, **env: str) -> str:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=match) as caught:
-        cfgmod.preflight(job)
+        plan_of(job)
     return str(caught.value)
 
 
@@ -62,9 +69,9 @@ def test_shipped_profiles_pass_preflight_and_verls_validate_config(launch_env):
 
 
 def test_profiles_set_safe_values_where_verls_defaults_bite(launch_env):
-    sft = cfgmod.preflight("sft").config
+    sft = plan_of("sft").config
     assert sft.optim.lr <= 1e-4 and "wandb" not in sft.trainer.logger and "swanlab" in sft.trainer.logger
-    grpo = cfgmod.preflight("grpo").config
+    grpo = plan_of("grpo").config
     rollout = grpo.actor_rollout_ref.rollout
     assert grpo.trainer.save_freq > 0 and "wandb" not in grpo.trainer.logger
     assert rollout.name == "vllm" and rollout.n >= 2 and rollout.tensor_model_parallel_size == 1
@@ -79,10 +86,10 @@ def test_profiles_set_safe_values_where_verls_defaults_bite(launch_env):
 def test_verls_own_entry_points_compose_the_config_preflight_checked(launch_env, tmp_path):
     """verl's trainers, given launch's exact arguments, print (`--cfg job`) the config preflight checked."""
     for job in ("sft", "grpo"):
-        plan = cfgmod.preflight(job)
+        plan = plan_of(job)
         out = subprocess.run(
-            [sys.executable, "-m", cfgmod.ENTRY_POINT[job], "--config-dir", str(cfgmod.CONFIG_DIR),
-             "--config-name", job, *plan.overrides, "--cfg", "job"],
+            [sys.executable, "-m", composition.ENTRY_POINT[job], "--config-dir", str(composition.CONFIG_DIR),
+             "--config-name", job, *plan.hydra_overrides(), "--cfg", "job"],
             cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         from omegaconf import OmegaConf
@@ -116,11 +123,11 @@ def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_
     # Hydra merges a config file's keys without struct checks (verl's lr=1e-3 would silently stay):
     # preflight compares the profile with verl's own config
     configs = tmp_path / "configs"
-    shutil.copytree(cfgmod.CONFIG_DIR, configs)
+    shutil.copytree(composition.CONFIG_DIR, configs)
     text = (configs / f"{job}.yaml").read_text()
     assert text.count(line) == 1
     (configs / f"{job}.yaml").write_text(text.replace(line, typo))
-    monkeypatch.setattr(cfgmod, "CONFIG_DIR", configs)
+    monkeypatch.setattr(composition, "CONFIG_DIR", configs)
     message = rejects(job, monkeypatch, key)
     assert "does not have" in message
 
@@ -128,9 +135,9 @@ def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_
 @pytest.mark.parametrize("job", ["sft", "grpo"])
 def test_broken_yaml_in_a_profile_is_a_one_line_refusal(launch_env, monkeypatch, tmp_path, job):
     configs = tmp_path / "configs"
-    shutil.copytree(cfgmod.CONFIG_DIR, configs)
+    shutil.copytree(composition.CONFIG_DIR, configs)
     (configs / f"{job}.yaml").write_text((configs / f"{job}.yaml").read_text() + "\ntrainer: [unclosed\n")
-    monkeypatch.setattr(cfgmod, "CONFIG_DIR", configs)
+    monkeypatch.setattr(composition, "CONFIG_DIR", configs)
     message = rejects(job, monkeypatch, "not valid YAML")
     assert "\n" not in message and f"configs/{job}.yaml" in message
 
@@ -140,19 +147,21 @@ def test_libyaml_composition_equals_the_pure_python_one_verl_uses(launch_env, jo
     # preflight parses YAML with libyaml for speed; verl's entry point uses PyYAML's Python parser
     from omegaconf import OmegaConf
 
-    overrides = cfgmod.preflight(job).overrides
-    fast = OmegaConf.to_container(cfgmod.compose(job, overrides, libyaml=True))
-    stock = OmegaConf.to_container(cfgmod.compose(job, overrides, libyaml=False))
+    overrides = plan_of(job).hydra_overrides()
+    fast = OmegaConf.to_container(composition.compose(job, overrides, libyaml=True))
+    stock = OmegaConf.to_container(composition.compose(job, overrides, libyaml=False))
     assert repr(fast) == repr(stock)
     assert len(repr(fast)) > 1000  # a whole verl config, not an empty one
 
 
 def test_args_are_appended_last_and_win(launch_env, monkeypatch):
     monkeypatch.setenv("ARGS", "optim.lr=3e-6 model.override_config.attn_implementation=eager")
-    plan = cfgmod.preflight("sft")
+    plan = plan_of("sft")
     assert plan.config.optim.lr == 3e-6
     assert plan.config.model.override_config.attn_implementation == "eager"
-    assert plan.overrides[-2:] == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
+    # the stack's overrides and the user's ARGS are two fields, joined once with ARGS last
+    assert plan.args == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
+    assert plan.hydra_overrides(["x=1"])[-3:] == ["x=1", *plan.args] and not set(plan.args) & set(plan.overrides)
 
 
 def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
@@ -161,7 +170,7 @@ def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here: the profile's flash_attention_2 stands")
     for job in ("sft", "grpo"):
-        plan = cfgmod.preflight(job)
+        plan = plan_of(job)
         model = plan.config.model if job == "sft" else plan.config.actor_rollout_ref.model
         assert model.override_config.attn_implementation == "sdpa"
         assert any("flash-attn is not installed" in w for w in plan.warnings)
@@ -170,13 +179,13 @@ def test_without_flash_attn_the_trainer_is_switched_to_sdpa(launch_env):
 def test_paths_with_spaces_survive_hydra_quoting(launch_env, monkeypatch, tmp_path):
     odd = write_sft(tmp_path / "my data, v2" / "train.parquet")
     monkeypatch.setenv("TRAIN_FILE", str(odd))
-    assert cfgmod.preflight("sft").config.data.train_files == str(odd)
+    assert plan_of("sft").config.data.train_files == str(odd)
 
 
 # --- one rejection each ------------------------------------------------------------------------------
 def test_rejects_node_rank_outside_nnodes_through_the_cli(launch_env):
     line = assert_one_line_error(run_app("check", "sft", env={**launch_env, "NNODES": "2", "NODE_RANK": "2",
-                                                               "MASTER_ADDR": "10.0.0.1"}))
+                                                               "MASTER_ADDR": "127.0.0.1"}))
     assert "NODE_RANK=2" in line and "[0, NNODES=2)" in line
 
 
@@ -194,10 +203,10 @@ def test_rejects_gpus_per_node_that_differs_from_the_visible_gpus(launch_env, mo
 
 
 def test_cannot_count_gpus_is_a_warning_not_a_failure(launch_env):
-    gpus, _ = cfgmod.count_gpus()
+    gpus, _ = pf.count_gpus(None)
     if gpus is not None:
         pytest.skip("this machine can count its GPUs")
-    plan = cfgmod.preflight("sft")
+    plan = plan_of("sft")
     assert any("cannot count GPUs here" in w for w in plan.warnings)
 
 
@@ -216,7 +225,7 @@ def test_rejects_batch_times_n_not_divisible_by_gpus_without_dynamic_batch(launc
     rejects("grpo", monkeypatch, r"3 x 5 = 15 is not divisible by the 2 GPUs", GPUS_PER_NODE="2", ARGS=args)
     # the same numbers pass the batch check once dynamic batch size is on
     monkeypatch.setenv("ARGS", args.replace("use_dynamic_bsz=false", "use_dynamic_bsz=true"))
-    cfgmod.preflight("grpo")
+    plan_of("grpo")
 
 
 def test_rejects_token_budget_below_prompt_plus_response(launch_env, monkeypatch):
@@ -275,7 +284,7 @@ def test_rejects_unset_model_path_through_the_cli(launch_env):
 
 
 def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
-    rejects("sft", monkeypatch, "relative path MODEL_PATH=models/tiny", NNODES="2", MASTER_ADDR="10.0.0.1",
+    rejects("sft", monkeypatch, "relative path MODEL_PATH=models/tiny", NNODES="2", MASTER_ADDR="127.0.0.1",
             MODEL_PATH="models/tiny")
     monkeypatch.setenv("MODEL_PATH", launch_env["MODEL_PATH"])
     rejects("sft", monkeypatch, "trainer.default_local_dir=ckpt is relative", ARGS="trainer.default_local_dir=ckpt")
@@ -300,5 +309,5 @@ def test_config_command_prints_the_composed_config(launch_env):
 
 def test_shipped_profiles_only_use_keys_verl_declares():
     for job in ("sft", "grpo"):
-        cfgmod.check_profile_keys(job)  # raises on a key verl's packaged config lacks
+        composition.check_profile_keys(job)  # raises on a key verl's packaged config lacks
     assert (REPO / "configs" / "sft.yaml").is_file()

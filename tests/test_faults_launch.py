@@ -161,14 +161,14 @@ def test_after_the_worker_and_the_head_are_stopped_the_node_is_as_found(ray_env,
 
 # --- addresses checked before anything waits ---------------------------------------------------------
 def foreign_address() -> str:
-    """A documentation address (RFC 5737) that is not one of this machine's: compared, never contacted."""
+    """An address that cannot be this machine's: every 127.0.0.0/8 address is, so the IPv6 documentation
+    prefix (RFC 3849) stands in. It is compared with this machine's addresses, never contacted."""
     from app.doctor import interface_addresses
 
-    mine = {a for addresses in interface_addresses().values() for a in addresses}
-    candidates = [a for a in ("203.0.113.7", "198.51.100.7", "192.0.2.77") if a not in mine]
-    if not candidates:
-        pytest.skip("every documentation address is this machine's")
-    return candidates[0]
+    candidate = "2001:db8::7"
+    if candidate in {a for addresses in interface_addresses().values() for a in addresses}:
+        pytest.skip("this machine holds the documentation address")
+    return candidate
 
 
 def test_grpo_head_refuses_a_head_ip_that_is_not_this_machines(ray_env):
@@ -205,8 +205,7 @@ def test_a_worker_says_within_seconds_that_no_head_answers_and_fails_at_wait_tim
 
 
 def test_the_grpo_profile_starts_no_dataloader_worker_processes(ray_env, monkeypatch):
-    from app import config as cfgmod
+    from app.preflight import preflight
+    from app.settings import load
 
-    for name, value in ray_env.items():
-        monkeypatch.setenv(name, value)
-    assert cfgmod.preflight("grpo").config.data.dataloader_num_workers == 0
+    assert preflight("grpo", load(ray_env)).config.data.dataloader_num_workers == 0

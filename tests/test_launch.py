@@ -150,15 +150,15 @@ def ray_env(base_env):
 
 
 def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_driver(base_env):
-    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "10.1.2.3", "NNODES": "2",
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "127.0.0.3", "NNODES": "2",
                                        "RAY_AUTH_TOKEN": "abc123"})
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "ray.scripts.scripts start --head --block --node-ip-address 10.1.2.3 --port 6379" in out
+    assert "ray.scripts.scripts start --head --block --node-ip-address 127.0.0.3 --port 6379" in out
     assert "--dashboard-host 127.0.0.1" in out
     assert "export RAY_AUTH_MODE=token" in out and "abc123" not in out
-    assert "export RAY_ADDRESS=10.1.2.3:6379" in out
-    assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=10.1.2.3:6379" in out
+    assert "export RAY_ADDRESS=127.0.0.3:6379" in out
+    assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
 
 
 @pytest.mark.slow
@@ -214,10 +214,10 @@ def test_ray_head_times_out_with_how_many_joined_and_from_where(ray_env, tmp_pat
 
 
 def test_grpo_worker_dry_run_joins_the_head_address_and_needs_head_ip(base_env):
-    result = run_app("grpo-worker", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "10.1.2.3", "RAY_PORT": "6400",
-                                         "NODE_IP": "10.1.2.4"})
+    result = run_app("grpo-worker", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "127.0.0.3", "RAY_PORT": "6400",
+                                         "NODE_IP": "127.0.0.4"})
     assert result.returncode == 0, result.stderr
-    assert "ray.scripts.scripts start --address 10.1.2.3:6400 --block" in result.stdout
-    assert "--node-ip-address 10.1.2.4" in result.stdout and "export RAY_AUTH_MODE=token" in result.stdout
+    assert "ray.scripts.scripts start --address 127.0.0.3:6400 --block" in result.stdout
+    assert "--node-ip-address 127.0.0.4" in result.stdout and "export RAY_AUTH_MODE=token" in result.stdout
     line = assert_one_line_error(run_app("grpo-worker", env={**base_env, "DRY_RUN": "1"}))
     assert "HEAD_IP is not set" in line

@@ -38,14 +38,16 @@ def test_too_few_steps_is_refused(tmp_path):
 
 
 def test_child_env_drops_real_run_settings_and_pins_one_gpu(monkeypatch):
+    from app.settings import load
     from app.smoke import child_env, plan
 
     monkeypatch.setenv("DRY_RUN", "1")
     monkeypatch.setenv("TRAIN_FILE", "/elsewhere/train.parquet")
     monkeypatch.setenv("NNODES", "4")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    sft = next(s for s in plan().stages if s.name == "sft")
-    env = child_env(sft)
+    settings = load()
+    sft = next(s for s in plan(settings).stages if s.name == "sft")
+    env = child_env(sft, settings)
     assert "DRY_RUN" not in env and "TRAIN_FILE" not in env
     assert env["NNODES"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "3"
 
@@ -129,6 +131,7 @@ def test_smoke_stages_run_through_the_real_cli_on_cpu_with_a_factory_checkpoint_
     import subprocess
     import sys
 
+    from app.settings import load
     from app.smoke import check_checkpoint, child_env, first_test_prompt, load_and_generate, plan
     from app.tiny import BUNDLED_GSM8K, write_tiny_model
     from conftest import REPO
@@ -141,11 +144,12 @@ def test_smoke_stages_run_through_the_real_cli_on_cpu_with_a_factory_checkpoint_
     monkeypatch.setenv("GSM8K_SOURCE", str(source))
     monkeypatch.setenv("SMOKE_DIR", str(tmp_path / "smoke"))
     monkeypatch.setenv("SMOKE_STEPS", "4")
-    p = plan()
+    settings = load()
+    p = plan(settings)
     stages = {stage.name: stage for stage in p.stages}
 
     def run(stage, **extra):
-        result = subprocess.run(stage.argv, env={**child_env(stage), **extra}, capture_output=True, text=True,
+        result = subprocess.run(stage.argv, env={**child_env(stage, settings), **extra}, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, f"{stage.name}: {result.stdout[-2000:]}{result.stderr[-2000:]}"
         return result.stdout

@@ -39,12 +39,6 @@ def env_names(service: dict) -> dict[str, str | None]:
     return out
 
 
-def make_exports() -> list[str]:
-    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
-    line = next(line for line in text.splitlines() if line.startswith("export ") and ":=" not in line)
-    return line.split()[1:]
-
-
 def make(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
@@ -165,7 +159,7 @@ def test_gpu_services_have_what_multinode_needs(name):
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     env = env_names(service)
     assert set(MULTINODE_ENV) <= set(env)
-    assert env["SWANLAB_MODE"] == "${SWANLAB_MODE:-local}"
+    assert env["SWANLAB_MODE"] is None  # passed through; the app's default (local) applies when unset
     assert {"path": ".env", "required": False} in service["env_file"]
     assert service["working_dir"] == "${PWD}"
     for directory in ["data", "models", "checkpoints"]:  # same absolute path inside as outside
@@ -180,11 +174,11 @@ def test_gpu_services_have_what_multinode_needs(name):
 BUILD_ONLY = {"IMAGE", "FLASH_ATTN_CUDA_ARCHS", "MAX_JOBS"}  # compose interpolation / build args
 
 
-def test_every_variable_make_exports_reaches_the_containers():
-    services = compose()["services"]
-    for name, service in services.items():
-        missing = set(make_exports()) - BUILD_ONLY - set(env_names(service))
-        assert not missing, f"{name} lacks {sorted(missing)}"
+def test_every_service_passes_the_registrys_pass_through_variables():
+    from app.settings import passthrough_names
+
+    for name, service in compose()["services"].items():
+        assert list(env_names(service)) == passthrough_names(), name
 
 
 def test_no_file_sets_the_stale_vllm_attention_backend():
@@ -193,13 +187,14 @@ def test_no_file_sets_the_stale_vllm_attention_backend():
     assert not any("VLLM_ATTENTION_BACKEND" in line for line in active)
 
 
-def test_env_example_has_the_cluster_settings_and_env_is_ignored():
-    text = (REPO / ".env.example").read_text()
-    settings = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
+def test_env_example_has_the_cluster_settings_all_commented_out_and_env_is_ignored():
+    lines = (REPO / ".env.example").read_text().splitlines()
+    assert not [line for line in lines if line.strip() and not line.startswith("#")]  # a copy sets nothing
+    settings = dict(line[2:].split("=", 1) for line in lines if re.match(r"# [A-Z_]+=", line))
     for name in ["HEAD_IP", "NODE_RANK", "NNODES", "GPUS_PER_NODE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
                  "MASTER_ADDR", "MASTER_PORT", "RAY_PORT", "MODEL_PATH"]:
         assert name in settings, name
-    assert settings["SWANLAB_MODE"] == "local"
+    assert settings["HEAD_IP"] == '"<head node IP>"' and settings["SWANLAB_MODE"] == "local"
     ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=REPO)
     assert ignored.returncode == 0, ".env must be git-ignored"
 
@@ -231,8 +226,8 @@ def test_make_n_every_target_is_one_line_into_python_m_app_or_its_compose_servic
     services = compose()["services"]
     app_commands = {"prep": "prep gsm8k", "sft": "sft", "grpo-head": "grpo-head", "grpo-worker": "grpo-worker",
                     "merge": "merge", "gather": "gather", "smoke": "smoke", "doctor": "doctor", "eval": "eval",
-                    "check": "check sft", "data-check": "data check", "report": "report", "board": "board",
-                    "tiny-model": "tiny-model models/tiny"}
+                    "check": "check", "data-check": "data check", "report": "report", "board": "board",
+                    "tiny-model": "tiny-model", "settings": "settings"}
     for target in help_targets():
         if target == "help":
             continue
@@ -260,13 +255,14 @@ def test_make_docker_picks_the_infiniband_variant_with_ib_1():
 
 
 def test_dotenv_counts_below_environment_and_command_line(tmp_path):
-    """`.env` feeds RUNTIME=local too, with compose's precedence: .env < environment < make VAR=."""
-    (tmp_path / ".env").write_text("# a comment = ignored\nSMOKE_STEPS=7\nARGS=optim.lr=1e-5 trainer.total_epochs=2\n"
+    """`.env` (read by the app) feeds RUNTIME=local too, with compose's precedence: .env < environment < make VAR=."""
+    (tmp_path / ".env").write_text("# a comment = ignored\nSMOKE_STEPS=7\nARGS=\"optim.lr=1e-5 trainer.total_epochs=2\"\n"
                                    f"SMOKE_DIR={tmp_path / 'smoke'}\n")
     base = ["make", "--no-print-directory", "-s", "-f", str(REPO / "Makefile"), "smoke", "RUNTIME=local",
             f"PYTHON={sys.executable}", "DRY_RUN=1"]
     env = {**shutil.os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("SMOKE_STEPS", None)
+    for name in ("SMOKE_STEPS", "ENV_FILE", "ARGS"):
+        env.pop(name, None)
 
     def steps(*extra, **more):
         result = subprocess.run(base + list(extra), cwd=tmp_path, env={**env, **more}, capture_output=True,
@@ -275,6 +271,8 @@ def test_dotenv_counts_below_environment_and_command_line(tmp_path):
         return result.stdout
 
     out = steps()
+    # the quotes of .env are gone: two separate overrides, no literal " left for Hydra to choke on
     assert "trainer.total_training_steps=7" in out and "optim.lr=1e-5 trainer.total_epochs=2'" in out
+    assert '"' not in out.split("ARGS=", 1)[1].splitlines()[0]
     assert "trainer.total_training_steps=9" in steps(SMOKE_STEPS="9")
     assert "trainer.total_training_steps=5" in steps("SMOKE_STEPS=5", SMOKE_STEPS="9")

@@ -1,0 +1,461 @@
+"""Preflight (`python -m app check|config sft|grpo`): what a launch on this node needs, composed and
+checked before anything starts.
+
+The per-machine values come from the settings (app/settings.py) and become the stack's own Hydra
+overrides (`stack_overrides`); the user's ARGS stay a field of their own and are joined once, last, in
+with_user_args(), so that the user has the last word and nothing slices them back off.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app import userconfig
+from app.common import ArgParser, UserError, say, warn
+from app.composition import (BASE_CONFIG, LOGGER_PACKAGES, MODEL_KEY, ROLLOUT_ENGINES, attention_overrides,
+                             check_job, check_profile_keys, compose, hydra_value, verl_validate)
+from app.runs import model_dir_problems, run_dir
+from app.settings import BY_NAME, Settings
+
+# --- what a launch on this node needs ---------------------------------------------------------------
+@dataclass
+class Launch:
+    """The settings of one job's launch on this node, resolved (paths absolute, GPUs counted)."""
+
+    job: str
+    nnodes: int
+    node_rank: int
+    gpus_per_node: int
+    gpus_seen: int | None  # GPUs this node can see; None where they cannot be counted
+    gpu_source: str
+    master_addr: str | None
+    master_port: int
+    head_ip: str | None
+    ray_port: int
+    model_path: Path | None
+    train_file: Path
+    val_file: Path | None
+    val_file_given: bool
+    run_dir: Path
+    experiment: str
+    project: str | None
+    args: list[str]  # the user's ARGS, joined last (Preflight.hydra_overrides)
+    relative: list[str] = field(default_factory=list)  # NAME=value the user gave as relative paths
+    config_layer: list[str] = field(default_factory=list)  # CONFIG's keys as overrides (app/userconfig.py)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def ray_address(self) -> str:
+        return f"{self.head_ip or '127.0.0.1'}:{self.ray_port}"
+
+
+def count_gpus(visible: str | None) -> tuple[int | None, str]:
+    """GPUs this node can see, and how we know; (None, why) where they cannot be counted.
+
+    nvidia-smi and the driver's /proc entries answer in milliseconds; importing torch for
+    torch.cuda.device_count() would cost seconds on every preflight, so it is not used.
+    `visible` is CUDA_VISIBLE_DEVICES (None: unset; "" hides every GPU, as CUDA reads it).
+    """
+    total: int | None = None
+    source = ""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+            if out.returncode == 0:
+                total = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+                source = "nvidia-smi -L"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if total is None:
+        proc = Path("/proc/driver/nvidia/gpus")
+        if proc.is_dir():
+            total = sum(1 for _ in proc.iterdir())
+            source = "/proc/driver/nvidia/gpus"
+    if visible is not None:
+        ids = [part for part in visible.split(",") if part.strip()]
+        if visible.strip() in ("", "-1") or not ids:
+            return 0, f"CUDA_VISIBLE_DEVICES={visible!r}"
+        if total is None:
+            return len(ids), f"CUDA_VISIBLE_DEVICES={visible}"
+        return min(len(ids), total), f"{source} and CUDA_VISIBLE_DEVICES={visible}"
+    if total is None:
+        return None, "no nvidia-smi and no NVIDIA driver here"
+    return total, source
+
+
+def _path_setting(settings: Settings, name: str, default: Path | None, relative: list[str]) -> Path | None:
+    if not settings.is_set(name):  # the registry's default (DATA_DIR=data), else `default`
+        fallback = settings[name] if settings[name] is not None else default
+        return Path(fallback).resolve() if fallback is not None else None
+    raw = settings[name]
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        relative.append(f"{name}={raw}")
+    return path.resolve()
+
+
+def read_launch(job: str, settings: Settings) -> Launch:
+    """The launch settings of `job` on this node."""
+    check_job(job)
+    settings = userconfig.with_file_defaults(job, settings)  # CONFIG's model.path, data, run dir as defaults
+    relative: list[str] = []
+    gpus_seen, gpu_source = count_gpus(settings["CUDA_VISIBLE_DEVICES"])
+    data_dir = _path_setting(settings, "DATA_DIR", None, relative)
+    sub = "gsm8k_sft" if job == "sft" else "gsm8k"
+    if settings["CKPT_DIR"] and not Path(settings["CKPT_DIR"]).expanduser().is_absolute():
+        relative.append(f"CKPT_DIR={settings['CKPT_DIR']}")
+    run = run_dir(job, settings)
+    return Launch(
+        job=job,
+        nnodes=settings["NNODES"],
+        node_rank=settings["NODE_RANK"],
+        gpus_per_node=settings.get("GPUS_PER_NODE", gpus_seen if gpus_seen else 1),
+        gpus_seen=gpus_seen,
+        gpu_source=gpu_source,
+        master_addr=settings["MASTER_ADDR"],
+        master_port=settings["MASTER_PORT"],
+        head_ip=settings["HEAD_IP"],
+        ray_port=settings["RAY_PORT"],
+        model_path=_path_setting(settings, "MODEL_PATH", None, relative),
+        train_file=_path_setting(settings, "TRAIN_FILE", data_dir / sub / "train.parquet", relative),
+        val_file=_path_setting(settings, "VAL_FILE", data_dir / sub / "test.parquet", relative),
+        val_file_given=settings.is_set("VAL_FILE"),
+        run_dir=run,
+        experiment=settings.get("EXPERIMENT", run.name),
+        project=settings["PROJECT"],
+        args=list(settings.get("ARGS", ())),
+        relative=relative,
+        config_layer=userconfig.overrides(settings),
+    )
+
+
+def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
+    """The stack's own Hydra overrides for `s` (the user's ARGS are not among them: they come last).
+    CONFIG's keys come first: above the profile, below the settings."""
+    out: list[str] = list(s.config_layer)
+    model = MODEL_KEY[s.job]
+    if s.model_path is not None:
+        out.append(f"{model}.path={hydra_value(s.model_path)}")
+    out.append(f"data.train_files={hydra_value(s.train_file)}")
+    if s.val_file is not None and (s.val_file.exists() or s.val_file_given or s.job == "grpo"):
+        out.append(f"data.val_files={hydra_value(s.val_file)}")
+    out += [
+        f"trainer.default_local_dir={hydra_value(s.run_dir)}",
+        f"trainer.experiment_name={hydra_value(s.experiment)}",
+        f"trainer.nnodes={s.nnodes}",
+        f"trainer.n_gpus_per_node={s.gpus_per_node}",
+    ]
+    if s.project:
+        out.append(f"trainer.project_name={hydra_value(s.project)}")
+    out += extra or []
+    if s.job == "grpo":
+        out.append(f"ray_kwargs.ray_init.address={hydra_value(s.ray_address)}")
+    return out
+
+
+def with_user_args(stack: list[str], args: list[str], extra: list[str] | None = None) -> list[str]:
+    """The one place the two are joined: the stack's overrides, then `extra` (launch's own), then the
+    user's ARGS, last, so that Hydra lets them win."""
+    return [*stack, *(extra or []), *args]
+
+
+# --- preflight ---------------------------------------------------------------------------------------
+@dataclass
+class Preflight:
+    """A checked plan: the launch settings, the stack's overrides and the user's ARGS (two fields, joined
+    once by hydra_overrides), the composed config, notes."""
+
+    launch: Launch
+    overrides: list[str]  # the stack's own
+    args: list[str]  # the user's ARGS
+    config: object
+    notes: list[str] = field(default_factory=list)  # printed after success (ok: ...)
+    warnings: list[str] = field(default_factory=list)  # printed after success (warning: ...)
+
+    @property
+    def job(self) -> str:
+        return self.launch.job
+
+    def hydra_overrides(self, extra: list[str] | None = None) -> list[str]:
+        """What verl gets: the stack's overrides, then `extra` (launch's), then ARGS, which win."""
+        return with_user_args(self.overrides, self.args, extra)
+
+
+def model_problem(model: Path) -> str | None:
+    """The first thing MODEL_PATH's directory lacks, as a sentence about it; None when complete."""
+    problems = model_dir_problems(model)
+    if not problems:
+        return None
+    return f"{model} is not a directory" if problems == ["not a directory"] else f"{model} has {problems[0]}"
+
+
+def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]):
+    from app.data import check_parquet
+
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist: run `make prep` (DATA_DIR={path.parent.parent}) "
+                        f"or set {'TRAIN_FILE' if what == 'train file' else 'VAL_FILE'} to your parquet")
+    report = check_parquet(path, kind)
+    notes.append(f"{what}: {path} ({report.rows} rows, {kind})")
+    warnings += list(report.notes)
+    return report
+
+
+def _int(cfg, key: str, default: int = 0) -> int:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, key, default=default)
+    return default if value is None else value
+
+
+def _sp_size(cfg, job: str) -> int:
+    if job == "sft":
+        return _int(cfg, "engine.ulysses_sequence_parallel_size", 1)
+    return max(_int(cfg, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1),
+               _int(cfg, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1))
+
+
+def refuse_stale_environment(settings: Settings) -> None:
+    """Variables from older walkthroughs that now do nothing (silently): refuse them with what to do."""
+    if settings["VLLM_ATTENTION_BACKEND"]:
+        raise UserError(
+            f"VLLM_ATTENTION_BACKEND={settings['VLLM_ATTENTION_BACKEND']} is set, but vLLM 0.24 ignores it "
+            "(and has no XFORMERS backend): unset it; the backend is chosen in configs/grpo.yaml "
+            "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
+
+
+def refuse_without_gpus(s: Launch, settings: Settings, what: str) -> None:
+    """A launch that will start GPU work on a node without any GPU fails later in torch/NCCL with a
+    traceback: refuse it here, as `make smoke` does. The CPU stand-in trainers of the tests
+    (SFT_TRAINER_MODULE / GRPO_TRAINER_MODULE) need none."""
+    hook = "SFT_TRAINER_MODULE" if s.job == "sft" else "GRPO_TRAINER_MODULE"
+    if s.gpus_seen or settings[hook] != BY_NAME[hook].default:
+        return
+    raise UserError(f"{what} needs GPUs, but this node has none ({s.gpu_source}): run it on a GPU node "
+                    "(with docker: the NVIDIA container toolkit, compose `gpus: all`); DRY_RUN=1 prints the plan "
+                    f"and `make check JOB={s.job}` checks the config on any machine")
+
+
+def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = False) -> Preflight:
+    """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
+
+    deep=True also runs verl's own validate_config (GRPO), which imports verl (seconds, no GPU needed).
+    gpus=True (a real launch) refuses a node without GPUs.
+    """
+    from omegaconf import OmegaConf
+
+    s = read_launch(job, settings)
+    notes: list[str] = []
+    warnings: list[str] = []
+
+    # -- the environment of this node (each value's type and range: app/settings.py, already checked)
+    refuse_stale_environment(settings)
+    check_profile_keys(job, settings)  # every unknown key of the profile and CONFIG at once, before anything else
+    if not 0 <= s.node_rank < s.nnodes:
+        raise UserError(f"NODE_RANK={s.node_rank} is outside [0, NNODES={s.nnodes}): give each machine its own "
+                        f"rank 0..{s.nnodes - 1} (0 on the {'head' if job == 'grpo' else 'master'})")
+    if s.gpus_per_node < 1:
+        raise UserError(f"GPUS_PER_NODE={s.gpus_per_node}: set it to the number of GPUs each node uses (1 or more)")
+    if s.multi_node and job == "sft" and not s.master_addr:
+        raise UserError(f"NNODES={s.nnodes} needs MASTER_ADDR: set it to node 0's IP on every node "
+                        "(same MASTER_ADDR and MASTER_PORT everywhere)")
+    if s.multi_node and job == "grpo" and not s.head_ip:
+        raise UserError(f"NNODES={s.nnodes} needs HEAD_IP: set it to the Ray head's IP on every node")
+    if s.gpus_seen is None:
+        warnings.append(f"cannot count GPUs here ({s.gpu_source}): GPUS_PER_NODE={s.gpus_per_node} not checked")
+    elif s.gpus_seen != s.gpus_per_node:
+        raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) "
+                        f"({s.gpu_source}): set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
+    else:
+        notes.append(f"GPUs: {s.gpus_seen} visible ({s.gpu_source})")
+    if gpus:
+        refuse_without_gpus(s, settings, "make sft" if job == "sft" else "make grpo-head")
+    if s.multi_node and s.relative:
+        raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
+                        "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
+
+    # -- the model
+    if s.model_path is None:
+        raise UserError("MODEL_PATH is not set: point it at a local Hugging Face model directory "
+                        "(config.json + tokenizer; nothing is downloaded)")
+    problem = model_problem(s.model_path)
+    if problem:
+        raise UserError(f"MODEL_PATH: {problem}: point MODEL_PATH at a Hugging Face model directory "
+                        "with config.json, the tokenizer files and the weights")
+
+    # -- compose (ARGS included) and check the config itself
+    attn, attn_note = attention_overrides(job)
+    overrides = stack_overrides(s, attn)
+    cfg = compose(job, with_user_args(overrides, s.args))
+    if attn_note:
+        warnings.append(attn_note)
+    warnings += userconfig.machine_warnings(job, settings, s)
+    _check_config(s, cfg, notes, warnings)
+
+    # -- data
+    kind = "sft" if job == "sft" else "rl"
+    train = Path(str(OmegaConf.select(cfg, "data.train_files")))
+    train_report = _check_data(train, kind, "train file", notes, warnings)
+    val = OmegaConf.select(cfg, "data.val_files")
+    if val:
+        from app.data import compare_splits
+
+        overlap = compare_splits(train_report, _check_data(Path(str(val)), kind, "val file", notes, warnings))
+        if overlap:
+            warnings.append(overlap)
+    elif job == "sft":
+        warnings.append(f"no validation file ({s.val_file} missing): SFT runs without val/loss")
+
+    if deep and job == "grpo":
+        verl_validate(cfg)
+        notes.append("verl's validate_config: passed")
+    return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
+
+
+def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None:
+    from omegaconf import OmegaConf
+
+    job = s.job
+    sel = functools.partial(OmegaConf.select, cfg)
+
+    # paths verl reads must be absolute on every node (ARGS may have put relative ones back)
+    path_keys = [f"{MODEL_KEY[job]}.path", "data.train_files", "data.val_files", "trainer.default_local_dir"]
+    if s.multi_node:
+        for key in path_keys:
+            value = sel(key)
+            if value and not str(value).startswith("/"):
+                raise UserError(f"{key}={value} is relative in a {s.nnodes}-node run: use an absolute path, "
+                                "identical on every node")
+
+    loggers = sel("trainer.logger")
+    for backend in [loggers] if isinstance(loggers, str) else list(loggers or []):
+        package = LOGGER_PACKAGES.get(backend)
+        if package and importlib.util.find_spec(package) is None:
+            raise UserError(f"trainer.logger has {backend}, but {package} is not installed here (verl imports it at "
+                            f"start): install it, or drop it, e.g. ARGS='trainer.logger=[console,file]'")
+
+    save_freq = sel("trainer.save_freq")
+    if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
+        raise UserError(f"trainer.save_freq={save_freq} writes no checkpoint (verl's default -1): "
+                        "set it > 0, e.g. ARGS='trainer.save_freq=20'")
+
+    sp = _sp_size(cfg, job)
+    if sp > 1:
+        if not sel(f"{MODEL_KEY[job]}.use_remove_padding"):
+            raise UserError(f"sequence parallel size {sp} needs {MODEL_KEY[job]}.use_remove_padding=true: "
+                            "turn remove-padding on or set the sequence parallel size to 1")
+        heads = _attention_heads(s.model_path)
+        if heads is not None and heads % sp:
+            raise UserError(f"sequence parallel size {sp} does not divide the model's {heads} attention heads: "
+                            "choose a divisor of the head count")
+        if s.total_gpus % sp:
+            raise UserError(f"sequence parallel size {sp} does not divide the {s.total_gpus} GPUs: choose a divisor")
+
+    if job == "sft":
+        batch = sel("data.train_batch_size")
+        if batch % s.total_gpus:
+            raise UserError(f"data.train_batch_size={batch} is not divisible by the {s.total_gpus} GPUs "
+                            f"({s.nnodes} node(s) x {s.gpus_per_node}): verl would silently drop the remainder; "
+                            "make it a multiple, e.g. ARGS='data.train_batch_size=...'")
+        if not sel("data.use_dynamic_bsz") and batch // s.total_gpus < sel("data.micro_batch_size_per_gpu"):
+            warnings.append("data.micro_batch_size_per_gpu exceeds the per-GPU batch")
+        notes.append(f"SFT: {s.nnodes} node(s) x {s.gpus_per_node} GPU(s), global batch {batch}, "
+                     f"lr {sel('optim.lr')}")
+        return
+
+    # GRPO
+    nnodes, gpn = sel("trainer.nnodes"), sel("trainer.n_gpus_per_node")
+    n_gpus = nnodes * gpn
+    if (nnodes, gpn) != (s.nnodes, s.gpus_per_node):
+        raise UserError(f"trainer.nnodes={nnodes} / trainer.n_gpus_per_node={gpn} (from ARGS) disagree with "
+                        f"NNODES={s.nnodes} / GPUS_PER_NODE={s.gpus_per_node}: set NNODES and GPUS_PER_NODE instead")
+    rollout = "actor_rollout_ref.rollout"
+    name = sel(f"{rollout}.name")
+    if name not in ROLLOUT_ENGINES:
+        raise UserError(f"{rollout}.name={name}: verl 0.9.1 rolls out only with {', '.join(ROLLOUT_ENGINES)}")
+    if importlib.util.find_spec(name) is None:
+        warnings.append(f"{name} is not importable here: every GPU node needs it for GRPO (the image has it)")
+    if sel("algorithm.adv_estimator") == "grpo" and sel(f"{rollout}.n") < 2:
+        raise UserError(f"{rollout}.n={sel(f'{rollout}.n')}: GRPO needs at least 2 samples per prompt "
+                        "(n=1 is plain REINFORCE without a baseline); set it to 4-8")
+    tp = sel(f"{rollout}.tensor_model_parallel_size")
+    if tp < 1 or gpn % tp:
+        raise UserError(f"{rollout}.tensor_model_parallel_size={tp} does not divide GPUS_PER_NODE={gpn}: "
+                        "choose a divisor (1 fits models up to ~7B)")
+    n = sel(f"{rollout}.n")
+    batch = sel("data.train_batch_size")
+    actor = "actor_rollout_ref.actor"
+    if not sel(f"{actor}.use_dynamic_bsz") and (batch * n) % n_gpus:
+        raise UserError(f"data.train_batch_size x rollout.n = {batch} x {n} = {batch * n} is not divisible by "
+                        f"the {n_gpus} GPUs: change the batch or n, or turn on {actor}.use_dynamic_bsz")
+    seq = sel("data.max_prompt_length") + sel("data.max_response_length")
+    budgets = [(f"{actor}.ppo_max_token_len_per_gpu", True),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", sel("actor_rollout_ref.ref.log_prob_use_dynamic_bsz")),
+               (f"{rollout}.log_prob_max_token_len_per_gpu", sel(f"{rollout}.log_prob_use_dynamic_bsz"))]
+    for key, used in budgets:
+        value = sel(key)
+        if used and value is not None and value < seq:
+            raise UserError(f"{key}={value} is smaller than max_prompt_length + max_response_length = {seq}: "
+                            f"raise it to at least {seq}")
+    notes.append(f"GRPO: {nnodes} node(s) x {gpn} GPU(s), batch {batch} x n={n}, rollout {name} TP={tp}, "
+                 f"save every {sel('trainer.save_freq')} steps")
+
+
+def _attention_heads(model_path: Path | None) -> int | None:
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return config.get("num_attention_heads") or (config.get("text_config") or {}).get("num_attention_heads")
+
+
+
+
+def report(plan: Preflight) -> None:
+    """Print what preflight found: notes on stdout, warnings on stderr (only once everything passed)."""
+    for note in plan.notes:
+        say(f"ok: {note}")
+    for message in plan.warnings:
+        warn(message)
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+def main(command: str, argv: list[str], settings: Settings) -> int:
+    parser = ArgParser(prog=f"python -m app {command}")
+    # make check JOB=grpo: the job may come from JOB (default sft)
+    parser.add_argument("job", nargs="?" if command == "check" else None, choices=sorted(BASE_CONFIG),
+                        help="sft or grpo" + (" (default: JOB, else sft)" if command == "check" else ""))
+    parser.add_argument("--config", metavar="FILE", help="your own verl-style YAML over the profile (CONFIG)")
+    if command == "config":
+        parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")
+    args = parser.parse_args(argv)
+    if args.config:  # --config FILE: as CONFIG=FILE
+        settings = userconfig.with_values(settings, {"CONFIG": args.config}, "command line")
+    if command == "check":
+        job = args.job or settings.get("JOB", "sft")
+        plan = preflight(job, settings, deep=True)
+        report(plan)
+        say(f"preflight {job}: passed (run dir {plan.launch.run_dir})")
+        return 0
+    # config: print what verl will see, without the checks (MODEL_PATH may still be unset)
+    from omegaconf import OmegaConf
+
+    s = read_launch(args.job, settings)
+    check_profile_keys(args.job, settings)
+    cfg = compose(args.job, with_user_args(stack_overrides(s, attention_overrides(args.job)[0]), s.args))
+    print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
+    return 0

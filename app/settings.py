@@ -1,0 +1,542 @@
+"""Every environment variable the stack reads, in one registry, read once per command.
+
+One precedence for all of them: the command line and the shell (`make VAR=value` reaches the app as
+the environment) over `.env` (read here with python-dotenv, so quotes and `#` comments mean what they
+mean to compose) over the registry's default. An empty value counts as unset: an outer make exports
+empty variables. A bad value is one UserError line naming the variable and what is allowed, raised
+before the command starts anything.
+
+`python -m app` loads the settings once and hands the frozen `Settings` to the command's main(); no
+other module reads os.environ (the few exceptions say why where they are). The README's tables,
+`.env.example` and compose's pass-through list are rendered from REGISTRY (`python -m app settings
+--write` rewrites them; tests/test_settings.py checks they agree).
+"""
+
+from __future__ import annotations
+
+import io
+import ipaddress
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from app.common import REPO_ROOT, ArgParser, UserError, say
+
+# The commands of `python -m app` (see app/__main__.py), and three readers outside it: the Makefile
+# itself, compose's interpolation (image, build arguments) and the processes a launch starts.
+LAUNCH = ("sft", "grpo-head", "grpo-worker")
+PREFLIGHT = ("check", "config", *LAUNCH, "doctor")
+
+
+@dataclass(frozen=True)
+class Var:
+    """One environment variable: how it is checked, what it means (English, 中文), who reads it."""
+
+    name: str
+    kind: str  # text | words | path | int | port | ip | ipv4 | host | flag | choice
+    default: str | None  # as it would be written in .env; None: unset (the doc says what then)
+    doc: str
+    zh: str
+    commands: tuple[str, ...]
+    group: str
+    choices: tuple[str, ...] = ()
+    minimum: int = 0  # kind int
+    example: str | None = None  # .env.example's (commented-out) value; None: not in .env.example
+    secret: bool = False  # never printed
+    passthrough: bool = True  # listed in compose's `environment:` (reaches the containers)
+    make_only: bool = False  # read by make itself: command line or shell only, make reads no .env
+    keep_empty: bool = False  # an empty value means something (CUDA_VISIBLE_DEVICES="": no GPU)
+
+    @property
+    def allowed(self) -> str:
+        """What a valid value looks like, as the refusal says it."""
+        if self.kind == "int":
+            return f"a whole number >= {self.minimum}"
+        if self.kind == "port":
+            return "a port number 1-65535"
+        if self.kind == "ip":
+            return "an IP address (IPv4 or IPv6, no port, no hostname)"
+        if self.kind == "ipv4":
+            return "an IPv4 address, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+        if self.kind == "host":
+            return "an IP address or a hostname (no port)"
+        if self.kind == "flag":
+            return "1 or 0"
+        if self.kind == "choice":
+            return " or ".join(", ".join(self.choices).rsplit(", ", 1))
+        if self.kind == "words":
+            return "words split like a shell line"
+        return "any text"
+
+
+G_CLUSTER, G_RUN, G_ONCE, G_TRACK, G_PASS, G_BUILD, G_MAKE, G_APP = (
+    "cluster", "model, data, runs", "one command", "tracking", "passed on", "image", "make", "the app")
+GROUP_ZH = {G_CLUSTER: "集群", G_RUN: "模型、数据、运行", G_ONCE: "单次命令", G_TRACK: "记录",
+            G_PASS: "透传", G_BUILD: "镜像", G_MAKE: "make", G_APP: "应用本身"}
+
+REGISTRY: tuple[Var, ...] = (
+    # --- the cluster: the lines of .env that describe this node -----------------------------------
+    Var("NNODES", "int", "1", "machines in the run", "机器数", PREFLIGHT, G_CLUSTER, minimum=1, example="1"),
+    Var("NODE_RANK", "int", "0", "this machine's rank, 0..NNODES-1 (0 on the head): the only line that differs "
+        "between nodes", "本机序号 0..NNODES-1（head 为 0），各节点唯一不同的一行", PREFLIGHT, G_CLUSTER, example="0"),
+    Var("GPUS_PER_NODE", "int", None, "GPUs each machine uses (default: the GPUs this node sees, else 1)",
+        "每台机器使用的 GPU 数（默认：本机可见的 GPU 数，否则 1）", PREFLIGHT, G_CLUSTER, example="8"),
+    Var("MASTER_ADDR", "host", None, "node 0's address for SFT across machines (torchrun)",
+        "多机 SFT 时 0 号节点的地址（torchrun）", ("sft", "check", "config", "doctor"), G_CLUSTER,
+        example="<node 0 IP>"),
+    Var("MASTER_PORT", "port", "29500", "node 0's rendezvous port (SFT)", "0 号节点的会合端口（SFT）",
+        ("sft", "check", "config"), G_CLUSTER, example="29500"),
+    Var("HEAD_IP", "ip", None, "the Ray head's IP as the other nodes reach it (GRPO)",
+        "其他节点访问 Ray head 所用的 IP（GRPO）", ("grpo-head", "grpo-worker", "check", "config", "doctor"),
+        G_CLUSTER, example="<head node IP>"),
+    Var("RAY_PORT", "port", "6379", "the Ray head's port (GRPO)", "Ray head 的端口（GRPO）",
+        ("grpo-head", "grpo-worker", "check", "config", "doctor"), G_CLUSTER, example="6379"),
+    Var("NODE_IP", "ip", None, "this node's IP for Ray (worker; default: Ray's guess)",
+        "本节点给 Ray 用的 IP（worker；默认由 Ray 推断）", ("grpo-worker",), G_CLUSTER, example="<this node's IP>"),
+    Var("DASHBOARD_HOST", "ip", "127.0.0.1", "where the Ray dashboard listens", "Ray 仪表盘监听地址",
+        ("grpo-head",), G_CLUSTER),
+    Var("RAY_START_ARGS", "words", None, "extra `ray start` flags, e.g. `--num-cpus 32`",
+        "追加给 `ray start` 的参数，如 `--num-cpus 32`", ("grpo-head", "grpo-worker"), G_CLUSTER),
+    Var("RAY_AUTH_TOKEN", "text", None, "the same Ray token on every node, instead of the head's token file "
+        "in the run directory", "各节点使用同一个 Ray 令牌，代替 head 写在运行目录中的令牌文件",
+        ("grpo-head", "grpo-worker"), G_CLUSTER, example="", secret=True),
+    Var("RAY_AUTH_TOKEN_PATH", "path", None, "where the head writes (and workers read) the token file "
+        "(default <run>/.ray_auth_token)", "head 写入、worker 读取令牌文件的位置（默认 <运行目录>/.ray_auth_token）",
+        ("grpo-head", "grpo-worker"), G_CLUSTER),
+    Var("WAIT_TIMEOUT", "int", "600", "seconds the head waits for the workers (and a worker for the head)",
+        "head 等待 worker（及 worker 等待 head）的秒数", ("grpo-head", "grpo-worker"), G_CLUSTER),
+    Var("NCCL_SOCKET_IFNAME", "text", None, "the interface NCCL uses between nodes (`make doctor` suggests one)",
+        "NCCL 节点间使用的网卡（`make doctor` 会给出建议）", ("doctor", *LAUNCH), G_CLUSTER, example="<interface>"),
+    Var("GLOO_SOCKET_IFNAME", "text", None, "the interface Gloo uses between nodes",
+        "Gloo 节点间使用的网卡", ("doctor", *LAUNCH), G_CLUSTER, example="<interface>"),
+    Var("CUDA_VISIBLE_DEVICES", "text", None, "the GPUs this node uses (default: all)",
+        "本节点使用哪些 GPU（默认全部）", ("check", *LAUNCH, "doctor", "eval", "smoke"), G_CLUSTER,
+        passthrough=False, keep_empty=True),
+    # --- model, data, runs -------------------------------------------------------------------------
+    Var("MODEL_PATH", "path", None, "local Hugging Face model directory (required for training; nothing is "
+        "downloaded)", "本地 Hugging Face 模型目录（训练必填，不会下载）", PREFLIGHT, G_RUN,
+        example="<absolute path of a local model directory>"),
+    Var("CONFIG", "path", None, "your own verl-style YAML, layered over the profile and under the settings and "
+        "ARGS (every unknown key is listed at once, with verl 0.9.1's new name for the old walkthrough's keys)",
+        "你自己的 verl 风格 YAML，叠加在 profile 之上、设置与 ARGS 之下（所有未知键一次列出，旧教程中改名的键给出新名）",
+        PREFLIGHT, G_RUN),
+    Var("DATA_DIR", "path", "data", "where `make prep` writes and training reads",
+        "`make prep` 输出与训练读取的数据目录", ("prep", *PREFLIGHT, "eval"), G_RUN,
+        example="<absolute path, the same on every node>"),
+    Var("TRAIN_FILE", "path", None, "training parquet (default DATA_DIR/gsm8k_sft or gsm8k/train.parquet)",
+        "训练 parquet（默认 DATA_DIR/gsm8k_sft 或 gsm8k/train.parquet）", PREFLIGHT, G_RUN),
+    Var("VAL_FILE", "path", None, "validation parquet (default .../test.parquet)", "验证 parquet（默认 .../test.parquet）",
+        PREFLIGHT, G_RUN),
+    Var("GSM8K_SOURCE", "text", None, "GSM8K to prepare: a directory of .jsonl/.jsonl.gz/.parquet, or hf "
+        "(default: the bundled copy)", "要准备的 GSM8K：含 .jsonl/.jsonl.gz/.parquet 的目录，或 hf（默认：仓库自带）",
+        ("prep",), G_RUN),
+    Var("CKPT_DIR", "path", None, "the run directory (default checkpoints/EXPERIMENT)",
+        "运行目录（默认 checkpoints/EXPERIMENT）", (*PREFLIGHT, "gather", "merge", "eval", "report", "board"), G_RUN),
+    Var("EXPERIMENT", "text", None, "the run's name (default sft-gsm8k, grpo-gsm8k)",
+        "运行名（默认 sft-gsm8k、grpo-gsm8k）", (*PREFLIGHT, "gather", "merge", "eval", "report"), G_RUN),
+    Var("JOB", "choice", None, "which job's run merge/gather/report/eval use, and `make check` checks "
+        "(default: the one run present; check: sft)", "merge/gather/report/eval 用哪个任务的运行、`make check` 检查哪个"
+        "（默认：现有的那个运行；check 默认 sft）", ("check", "doctor", "gather", "merge", "eval", "report"),
+        G_RUN, choices=("sft", "grpo")),
+    Var("ARGS", "words", None, "Hydra overrides appended last: ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"",
+        "追加在最后的 Hydra 覆盖项：ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"", ("check", "config", "sft",
+        "grpo-head", "smoke"), G_RUN, example="optim.lr=1e-5 trainer.total_epochs=2"),
+    Var("VLLM_ATTENTION_BACKEND", "text", None, "refused: vLLM 0.24 ignores it; configs/grpo.yaml picks the "
+        "backend", "会被拒绝：vLLM 0.24 忽略它；注意力后端在 configs/grpo.yaml 中选择", ("check", *LAUNCH),
+        G_RUN, passthrough=False),
+    # --- one command: set on the command line ------------------------------------------------------
+    Var("DRY_RUN", "flag", "0", "print the exact commands and environment after preflight, start nothing",
+        "预检后只打印确切的命令和环境变量，不启动", (*LAUNCH, "smoke"), G_ONCE),
+    Var("FRESH", "flag", "0", "move the previous run aside (never deleted) and start over; otherwise a rerun "
+        "resumes", "把旧运行目录移到一旁（不删除）后重新开始；否则重跑会续训", ("sft", "grpo-head"), G_ONCE),
+    Var("STEP", "text", None, "which step: merge/gather (default latest), eval (the merged step)",
+        "哪一步：merge/gather（默认最新）、eval（已合并的步）", ("gather", "merge", "eval"), G_ONCE),
+    Var("OUT_DIR", "path", None, "merge's output (default models/<run>-step<N>); eval reads it",
+        "merge 的输出目录（默认 models/<运行名>-step<N>）；eval 也读取", ("merge", "eval"), G_ONCE),
+    Var("FORCE", "flag", "0", "replace an existing output (merge, data check --fix)",
+        "覆盖已有输出（merge、data check --fix）", ("merge", "data"), G_ONCE),
+    Var("NODES", "text", None, "gather's sources: \"host1 host2\" ([user@]host[:RUN_DIR])",
+        "gather 的来源：\"host1 host2\"（[user@]host[:运行目录]）", ("gather",), G_ONCE),
+    Var("RSYNC_RSH", "text", None, "rsync's own: ssh port/key for gather, e.g. \"ssh -p 2222 -i ~/.ssh/key\"",
+        "rsync 自己的变量：gather 用的 ssh 端口/密钥", ("gather",), G_ONCE),
+    Var("MODEL", "path", None, "eval: the model directory (instead of STEP)", "eval：模型目录（代替 STEP）",
+        ("eval",), G_ONCE),
+    Var("LIMIT", "int", None, "eval: the first N test rows (default all)", "eval：只取前 N 行（默认全部）",
+        ("eval",), G_ONCE),
+    Var("OUT", "path", None, "eval's output (default <model>/eval); tiny-model's (default models/tiny)",
+        "eval 的输出（默认 <模型>/eval）；tiny-model 的输出（默认 models/tiny）", ("eval", "tiny-model"), G_ONCE),
+    Var("EVAL_BACKEND", "choice", "auto", "eval's generator (auto: vLLM on a GPU, else transformers)",
+        "eval 的生成后端（auto：有 GPU 用 vLLM，否则 transformers）", ("eval",), G_ONCE,
+        choices=("auto", "vllm", "hf", "reference")),
+    Var("EVAL_BATCH", "int", None, "eval's batch with transformers (default 32 on a GPU, 8 on CPU)",
+        "eval 使用 transformers 时的批大小（默认 GPU 32、CPU 8）", ("eval",), G_ONCE),
+    Var("MAX_NEW_TOKENS", "int", "1024", "eval: new tokens per answer", "eval：每个回答的最大新 token 数",
+        ("eval",), G_ONCE),
+    Var("EVAL_TP", "int", "1", "eval: vLLM tensor parallel size", "eval：vLLM 张量并行数", ("eval",), G_ONCE,
+        minimum=1),
+    Var("FILE", "path", None, "data-check: the parquet to check", "data-check：要检查的 parquet", ("data",), G_ONCE),
+    Var("KIND", "choice", None, "data-check: rl or sft (default: from the columns)", "data-check：rl 或 sft"
+        "（默认按列判断）", ("data",), G_ONCE, choices=("rl", "sft")),
+    Var("FIX", "path", None, "data-check: write a fixed copy here", "data-check：修复后的副本写到这里",
+        ("data",), G_ONCE),
+    Var("RUN", "path", None, "report/board: the run directory", "report/board：运行目录", ("report", "board"),
+        G_ONCE),
+    Var("SMOKE_DIR", "path", "checkpoints/smoke", "where `make smoke` works", "`make smoke` 的工作目录",
+        ("smoke",), G_ONCE),
+    Var("SMOKE_STEPS", "int", "12", "SFT steps of `make smoke`", "`make smoke` 的 SFT 步数", ("smoke",), G_ONCE),
+    # --- tracking ----------------------------------------------------------------------------------
+    Var("SWANLAB_MODE", "choice", "local", "swanlab: local (no account), offline, cloud (with SWANLAB_API_KEY), "
+        "disabled", "swanlab：local（无需账号）、offline、cloud（需 SWANLAB_API_KEY）、disabled",
+        ("sft", "grpo-head", "grpo-worker"), G_TRACK, choices=("local", "offline", "cloud", "disabled"),
+        example="local"),
+    Var("SWANLAB_API_KEY", "text", None, "swanlab's own: the key for SWANLAB_MODE=cloud", "swanlab 自己的变量：cloud 模式的密钥",
+        LAUNCH, G_TRACK, secret=True),
+    Var("PROJECT", "text", None, "tracking project name (trainer.project_name)", "记录用的项目名（trainer.project_name）",
+        PREFLIGHT, G_TRACK),
+    Var("BOARD_HOST", "ipv4", "127.0.0.1", "where `make board` listens", "`make board` 监听地址", ("board",), G_TRACK),
+    Var("BOARD_PORT", "port", "5092", "`make board`'s port", "`make board` 的端口", ("board",), G_TRACK),
+    # --- passed on to verl, NCCL, transformers (read by them, not by us) ---------------------------
+    Var("NCCL_IB_HCA", "text", None, "NCCL's own: InfiniBand adapters when there are several (`ibv_devices`)",
+        "NCCL 自己的变量：有多块 InfiniBand 网卡时选用哪些（`ibv_devices`）", LAUNCH, G_PASS, example="mlx5_0,mlx5_1"),
+    Var("NCCL_DEBUG", "text", None, "NCCL's own: INFO to see which interface and transport it picks",
+        "NCCL 自己的变量：设为 INFO 查看所选网卡与传输方式", LAUNCH, G_PASS, example="INFO"),
+    Var("HF_HUB_OFFLINE", "text", None, "Hugging Face's own: 1 = never reach the hub (air-gapped nodes)",
+        "Hugging Face 自己的变量：1 = 从不访问 hub（离线集群）", (*LAUNCH, "eval", "prep"), G_PASS, example="1"),
+    # --- the image (compose reads these itself, from .env too) -------------------------------------
+    Var("IMAGE", "text", "verl-stack:0.1.0", "the image every service runs (`make build` tags it)",
+        "所有服务运行的镜像（`make build` 打的标签）", ("compose",), G_BUILD, example="verl-stack:0.1.0",
+        passthrough=False),
+    Var("FLASH_ATTN_CUDA_ARCHS", "text", "80;90", "GPU archs flash-attn is built for (80 = A100, 90 = H100/H200)",
+        "flash-attn 编译的 GPU 架构（80 = A100，90 = H100/H200）", ("compose",), G_BUILD, passthrough=False),
+    Var("MAX_JOBS", "int", "8", "parallel jobs of the flash-attn build", "flash-attn 编译的并行任务数",
+        ("compose",), G_BUILD, minimum=1, passthrough=False),
+    # --- make itself: the command line or the shell only -------------------------------------------
+    Var("RUNTIME", "choice", "auto", "auto (docker when a Docker engine answers), docker, local",
+        "auto（检测到 Docker 引擎则用 docker）、docker、local", ("make",), G_MAKE, choices=("auto", "docker", "local"),
+        passthrough=False, make_only=True),
+    Var("PYTHON", "text", None, "the interpreter of RUNTIME=local (default .venv/bin/python, else python3)",
+        "RUNTIME=local 使用的解释器（默认 .venv/bin/python，否则 python3）", ("make",), G_MAKE, passthrough=False,
+        make_only=True),
+    Var("IB", "choice", None, "1: the InfiniBand compose services (default 1 where /dev/infiniband exists)",
+        "1：使用 InfiniBand 版 compose 服务（存在 /dev/infiniband 时默认 1）", ("make",), G_MAKE, choices=("0", "1"),
+        passthrough=False, make_only=True),
+    # --- the app itself --------------------------------------------------------------------------------
+    Var("ENV_FILE", "path", ".env", "the dotenv file to read (shell only)", "要读取的 dotenv 文件（仅限 shell 设置）",
+        ("all",), G_APP, passthrough=False),
+    Var("APP_DEBUG", "flag", "0", "1: a traceback instead of the one-line internal error",
+        "1：内部错误时打印完整 traceback", ("all",), G_APP),
+    Var("SFT_TRAINER_MODULE", "text", "verl.trainer.sft_trainer", "test hook: the SFT entry module",
+        "测试钩子：SFT 入口模块", ("sft",), G_APP, passthrough=False),
+    Var("GRPO_TRAINER_MODULE", "text", "verl.trainer.main_ppo", "test hook: the GRPO entry module",
+        "测试钩子：GRPO 入口模块", ("grpo-head",), G_APP, passthrough=False),
+)
+BY_NAME: Mapping[str, Var] = MappingProxyType({var.name: var for var in REGISTRY})
+assert len(BY_NAME) == len(REGISTRY), "a variable is registered twice"
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*\.?")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def parse(var: Var, raw: str) -> Any:
+    """`raw` as `var`'s type; ValueError when it is not allowed (the caller names the variable)."""
+    kind = var.kind
+    if kind in ("text", "path"):
+        return raw
+    if kind == "words":
+        return tuple(shlex.split(raw))
+    if kind in ("int", "port"):
+        if not re.fullmatch(r"\s*\d+\s*", raw):
+            raise ValueError(raw)
+        number = int(raw)
+        if kind == "port" and not 1 <= number <= 65535 or kind == "int" and number < var.minimum:
+            raise ValueError(raw)
+        return number
+    if kind == "ip":
+        return str(ipaddress.ip_address(raw))
+    if kind == "ipv4":
+        return str(ipaddress.IPv4Address(raw))
+    if kind == "host":
+        # A hostname has a letter in its last label: 300.1.1.1 is a broken IPv4 address, not a name.
+        if _is_ip(raw) or (_HOSTNAME.fullmatch(raw) and not raw.rstrip(".").rsplit(".", 1)[-1].isdigit()):
+            return raw
+        raise ValueError(raw)
+    if kind == "flag":
+        if raw.strip().lower() not in _FLAGS:
+            raise ValueError(raw)
+        return _FLAGS[raw.strip().lower()]
+    if kind == "choice":
+        if raw not in var.choices:
+            raise ValueError(raw)
+        return raw
+    raise AssertionError(f"unknown kind {kind} of {var.name}")
+
+
+@dataclass(frozen=True)
+class Value:
+    raw: str | None  # the text as given; None when unset
+    source: str  # shell | .env | default
+    value: Any = None  # parsed (the default's when unset); None when unset without a default
+    error: str | None = None  # the refusal, when `raw` is not allowed
+
+
+def _refusal(var: Var, raw: str, source: str, detail: str = "") -> str:
+    where = " (from .env)" if source == ".env" else ""
+    if var.kind == "words":
+        return f"{var.name} cannot be split like a shell line ({detail}){where}: check its quotes"
+    unset = f", or unset it (default {var.default})" if var.default is not None else ", or unset it"
+    return f"{var.name}={raw!r}{where} is not {var.allowed}: set {var.name} to {var.allowed}{unset}"
+
+
+def _value(var: Var, raw: str | None, source: str) -> Value:
+    if raw is None:
+        return Value(None, "default", None if var.default is None else parse(var, var.default))
+    try:
+        return Value(raw, source, parse(var, raw))
+    except ValueError as exc:
+        return Value(raw, source, error=_refusal(var, raw, source, str(exc)))
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    """The settings of one command: every registered variable's value and where it came from, plus the
+    environment handed on to the processes the command starts."""
+
+    values: Mapping[str, Value]
+    shell: Mapping[str, str]  # the process environment when the command started
+    dotenv: Mapping[str, str]  # the lines of the .env file (every name, ours or not)
+    env_file: Path
+    ignored: tuple[str, ...] = ()  # names in .env that only make reads (make reads no .env)
+
+    def __getitem__(self, name: str) -> Any:
+        value = self.values[name]
+        if value.error:
+            raise UserError(value.error)
+        return value.value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self[name]
+        return default if value is None else value
+
+    def raw(self, name: str) -> str | None:
+        """The text as given (ARGS as written, to hand on to a child command), None when unset."""
+        self[name]  # a bad value is refused here too
+        return self.values[name].raw
+
+    def source(self, name: str) -> str:
+        return self.values[name].source
+
+    def is_set(self, name: str) -> bool:
+        return self.values[name].raw is not None
+
+    def environ(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of the processes a command starts: the shell's, plus the lines of .env it does not
+        set (as compose hands .env to containers: NCCL_SOCKET_IFNAME in .env must reach NCCL), plus `extra`."""
+        out = dict(self.shell)
+        for name, value in self.dotenv.items():
+            var = BY_NAME.get(name)
+            if var is not None and (var.make_only or (var.keep_empty and name in out)):
+                continue  # as load() reads them: make's own are not the app's; CUDA_VISIBLE_DEVICES="" stands
+            if value and not out.get(name):
+                out[name] = value
+        out.update(extra or {})
+        return out
+
+    def check(self, command: str) -> None:
+        """Refuse, one line, the first bad value among the variables `command` reads."""
+        for var in REGISTRY:
+            error = self.values[var.name].error
+            if error and (command in var.commands or "all" in var.commands):
+                raise UserError(error)
+
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    """The NAME=value lines of `path` as python-dotenv reads them (quotes removed, `#` comments skipped,
+    no ${VAR} expansion: the value is what is written); a line it cannot read is a one-line refusal."""
+    from dotenv import dotenv_values
+    from dotenv.parser import parse_stream
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror}): fix its permissions, or point ENV_FILE at "
+                        "another file") from None
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.error:
+            line = binding.original.string.strip().splitlines()[0]
+            raise UserError(f"{path} line {binding.original.line}: cannot read {line!r}: write NAME=value "
+                            "(quote a value with spaces: NAME=\"a b\")")
+    values = dotenv_values(stream=io.StringIO(text), interpolate=False)
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the settings once: `environ` (default: this process's environment) over ENV_FILE (default
+    ./.env, where make and compose run) over the defaults. Bad values are kept as errors;
+    Settings.check(command) refuses them."""
+    # The one read of the process environment: everything else gets it from here.
+    shell = dict(os.environ if environ is None else environ)
+    env_file = Path(shell.get("ENV_FILE") or ".env")
+    dotenv = read_dotenv(env_file) if env_file.is_file() else {}
+    values, ignored = {}, []
+    for var in REGISTRY:
+        if shell.get(var.name) or (var.keep_empty and var.name in shell):
+            values[var.name] = _value(var, shell[var.name], "shell")
+        elif dotenv.get(var.name) and var.make_only:
+            ignored.append(var.name)
+            values[var.name] = _value(var, None, "default")
+        elif dotenv.get(var.name) and var.name != "ENV_FILE":
+            values[var.name] = _value(var, dotenv[var.name], ".env")
+        else:
+            values[var.name] = _value(var, None, "default")
+    return Settings(MappingProxyType(values), MappingProxyType(shell), MappingProxyType(dict(dotenv)), env_file,
+                    tuple(ignored))
+
+
+# --- what the registry renders: compose's list, .env.example, the README tables ----------------------
+
+def passthrough_names() -> list[str]:
+    """The variables compose passes from the shell into every container (its `environment:` list)."""
+    return [var.name for var in REGISTRY if var.passthrough]
+
+
+def compose_environment() -> str:
+    """compose.yaml's `environment:` list, as it is written there (one name a line, no value)."""
+    return "".join(f"    - {name}\n" for name in passthrough_names())
+
+
+ENV_EXAMPLE_HEAD = """\
+# Copy to .env on every node (`cp .env.example .env`) and edit. `.env` is git-ignored and never goes into
+# the image; the app reads it (and compose passes it to every container); the shell and `make VAR=...`
+# override any line of it. Every line is commented out: uncomment what this node needs.
+# 复制为 .env（每个节点各一份）并修改；.env 不进 git、不进镜像；shell 与命令行 `make VAR=...` 优先。
+# 每一行都已注释掉：取消注释并填写本节点需要的设置。
+# Written by `python -m app settings --write` from app/settings.py; `make settings` shows what is in effect.
+"""
+
+
+def render_env_example() -> str:
+    """`.env.example`: the settings that belong to a node, each commented out, with its meaning."""
+    out = [ENV_EXAMPLE_HEAD]
+    group = None
+    for var in REGISTRY:
+        if var.example is None:
+            continue
+        if var.group != group:
+            group = var.group
+            out.append(f"\n# --- {group} / {GROUP_ZH[group]} " + "-" * max(3, 90 - len(group) - len(GROUP_ZH[group])))
+        out.append(f"# {var.doc}")
+        value = f'"{var.example}"' if " " in var.example else var.example
+        out.append(f"# {var.name}={value}")
+    out.append("\n# Do NOT set VLLM_ATTENTION_BACKEND: vLLM 0.24 ignores it and the preflight refuses it.")
+    out.append("# 不要设置 VLLM_ATTENTION_BACKEND：vLLM 0.24 会忽略它，预检会拒绝。")
+    return "\n".join(out) + "\n"
+
+
+def _default_text(var: Var) -> str:
+    return f"`{var.default}`" if var.default is not None else ""
+
+
+def _allowed_text(var: Var, zh: bool) -> str:
+    if var.kind == "choice":
+        return " / ".join(f"`{c}`" for c in var.choices)
+    words = {"int": ("integer ≥ {m}", "整数 ≥ {m}"), "port": ("port 1-65535", "端口 1-65535"),
+             "ip": ("IP address", "IP 地址"), "ipv4": ("IPv4 address", "IPv4 地址"),
+             "host": ("IP address or hostname", "IP 地址或主机名"), "flag": ("`1` / `0`", "`1` / `0`"),
+             "words": ("shell words", "shell 词"), "path": ("path", "路径"), "text": ("text", "文本")}
+    return words[var.kind][zh].format(m=var.minimum)
+
+
+def render_readme_table(zh: bool = False) -> str:
+    """The README's table of every variable (English, or 中文 with zh=True)."""
+    head = ("| 变量 | 默认值 | 取值 | 用于 | 含义 |" if zh else "| Variable | Default | Allowed | Used by | Meaning |")
+    rows = [head, "|---|---|---|---|---|"]
+    for var in REGISTRY:
+        used = ", ".join(var.commands).replace("all", "全部" if zh else "all")
+        rows.append(f"| `{var.name}` | {_default_text(var)} | {_allowed_text(var, zh)} | {used} | "
+                    f"{(var.zh if zh else var.doc).replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+README_MARK = "<!-- settings table ({lang}): written by `python -m app settings --write` -->"
+README_END = "<!-- end of settings table -->"
+
+
+def readme_with_tables(text: str) -> str:
+    """README text with both generated tables replaced by what the registry renders now."""
+    for lang, zh in (("en", False), ("zh", True)):
+        mark = README_MARK.format(lang=lang)
+        start = text.index(mark) + len(mark)
+        end = text.index(README_END, start)
+        text = text[:start] + "\n" + render_readme_table(zh) + text[end:]
+    return text
+
+
+def compose_with_environment(text: str) -> str:
+    """compose.yaml with its `environment:` list replaced by passthrough_names()."""
+    start = text.index("  environment:\n") + len("  environment:\n")
+    end = start
+    while text[end:].startswith("    - "):
+        end = text.index("\n", end) + 1
+    return text[:start] + compose_environment() + text[end:]
+
+
+def write_derived(root: Path = REPO_ROOT) -> list[Path]:
+    """Rewrite README.md's tables, .env.example and compose.yaml's list from the registry."""
+    changed = []
+    for path, render in ((root / "README.md", readme_with_tables), (root / ".env.example", lambda _: render_env_example()),
+                         (root / "compose.yaml", compose_with_environment)):
+        old = path.read_text(encoding="utf-8")
+        new = render(old)
+        if new != old:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+# --- `python -m app settings` ---------------------------------------------------------------------------
+
+def shown(var: Var, value: Value) -> str:
+    if value.raw is None:
+        return "" if var.default is None else var.default
+    return "***" if var.secret else value.raw
+
+
+def main(command: str, argv: list[str], settings: Settings) -> int:
+    parser = ArgParser(prog="python -m app settings", description="Every variable, its value here and where it "
+                       "came from (shell, .env, default).")
+    parser.add_argument("--compose-env", action="store_true", help="print the names compose passes through")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite README.md's tables, .env.example and compose.yaml's list from the registry")
+    args = parser.parse_args(argv)
+    if args.compose_env:
+        print("\n".join(passthrough_names()))
+        return 0
+    if args.write:
+        changed = write_derived()
+        say("rewrote " + ", ".join(str(p.relative_to(REPO_ROOT)) for p in changed) if changed else "up to date")
+        return 0
+    width = max(len(var.name) for var in REGISTRY)
+    env_file = settings.env_file if settings.env_file.is_file() else f"{settings.env_file} (absent)"
+    say(f"settings (shell > {env_file} > default):")
+    for var in REGISTRY:
+        value = settings.values[var.name]
+        text = shown(var, value)
+        where = value.source if value.raw is not None or var.default is not None else "unset"
+        note = f"  <- error: {value.error}" if value.error else ""
+        say(f"  {var.name:<{width}}  {where:<7}  {text}{note}")
+    for name in settings.ignored:
+        say(f"note: {name} in {settings.env_file} is not read: make reads {name} from the command line or shell only")
+    return 0
