@@ -228,13 +228,16 @@ def test_sigterm_during_prep_is_one_line_exit_143_and_leaves_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "DATA_DIR": str(data), "GSM8K_SOURCE": ""}
     proc = subprocess.Popen([sys.executable, "-m", "app", "prep", "gsm8k"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)  # reading and converting the source rows
+    deadline = time.monotonic() + 120  # stop it mid-write: its temporaries are on disk
+    while time.monotonic() < deadline and proc.poll() is None and not list(data.glob("*/.train.parquet.tmp-*")):
+        time.sleep(0.005)
+    assert proc.poll() is None, "prep finished before it could be stopped mid-write"
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     line = assert_one_line_error(result)
     assert proc.returncode == 143 and line.startswith("error: stopped by SIGTERM")
-    assert not data.exists() or not list(data.rglob("*.parquet*"))
+    assert not data.exists() or files(data) == []  # no parquet, no temporary, no directory made for it
 
 
 # --- locations that cannot be written -----------------------------------------------------------------
