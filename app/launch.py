@@ -318,7 +318,6 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     set. Progress bar while waiting; on the deadline, a UserError saying how many joined, from which IPs.
     """
     import multiprocessing
-    import queue
 
     deadline = time.monotonic() + timeout
     host, port = address.rsplit(":", 1)
@@ -330,26 +329,37 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
             raise UserError(f"the Ray head at {address} did not come up within {timeout:.0f}s: see its output above")
         time.sleep(0.5)
     context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
+    # a pipe, not a multiprocessing Queue: a Queue's semaphores, left behind by Ctrl-C or SIGTERM, make the
+    # resource tracker print a "leaked semaphore" warning after our one error line
+    receiver, answers = context.Pipe(duplex=False)
     child = context.Process(target=_wait_child, daemon=True,
                             args=(address, nnodes, gpus_per_node, timeout, deadline - time.monotonic(), answers))
     child.start()
+    answers.close()
+    answered = False
     try:
         while True:
-            try:
-                kind, payload = answers.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if head is not None and head.poll() is not None:
-                    raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
-                                    "see its output above") from None
-                if not child.is_alive():
+            if receiver.poll(1.0):
+                try:
+                    kind, payload = receiver.recv()
+                except EOFError:
                     raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
                                     f"{child.exitcode}): see the output above") from None
+                answered = True
+                break
+            if head is not None and head.poll() is not None:
+                raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
+                                "see its output above")
+            if not child.is_alive() and not receiver.poll(0):  # gone without an answer
+                raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
+                                f"{child.exitcode}): see the output above")
     finally:
+        if not answered and child.is_alive():
+            child.terminate()  # interrupted: the waiting driver goes too, at once
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
+        receiver.close()
     if kind == "error":
         raise UserError(payload)
     return payload
@@ -365,7 +375,7 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
-        answers.put(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
+        answers.send(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
         return
     try:
         with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node") as bar:
@@ -376,12 +386,12 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
                     bar.update(min(len(ready), nnodes) - bar.n)
                     bar.set_postfix_str(", ".join(n["NodeManagerAddress"] for n in ready))
                 if len(ready) >= nnodes:
-                    answers.put(("ok", [{k: n[k] for k in ("NodeManagerAddress", "Resources")} for n in ready]))
+                    answers.send(("ok", [{k: n[k] for k in ("NodeManagerAddress", "Resources")} for n in ready]))
                     return
                 if time.monotonic() > deadline:
                     short = [n for n in alive if n not in ready]
                     extra = f"; too few GPUs on: {describe_nodes(short)}" if short else ""
-                    answers.put(("error", (
+                    answers.send(("error", (
                         f"only {len(ready)} of {nnodes} nodes joined within {timeout:.0f}s "
                         f"({describe_nodes(ready)}){extra}: run `make grpo-worker HEAD_IP={host}` on the others "
                         f"(same token, port {port} reachable), check GPUS_PER_NODE, or raise WAIT_TIMEOUT")))
