@@ -2,7 +2,7 @@
 verl-style YAML as a config layer between our profile and the overrides.
 
 Order, lowest first: verl 0.9.1's packaged config < configs/<job>.yaml < CONFIG < the per-machine
-settings (environment) < ARGS. The file's keys become Hydra `++key=value` overrides placed before the
+settings (app/settings.py) < ARGS. The file's keys become Hydra `++key=value` overrides placed before the
 environment-derived ones, so launch hands verl the same composition preflight checked. Its keys are
 checked against verl's config first (app.renames lists every unknown or renamed key at once).
 
@@ -88,8 +88,8 @@ def user_leaves(settings) -> tuple[Path, dict[str, object]] | None:
 
 
 def with_values(settings, raw: dict[str, str], source: str):
-    """`settings` with the unset variables of `raw` given those values (parsed and checked as the registry
-    does), marked as coming from `source`."""
+    """`settings` with the variables of `raw` given those values (parsed and checked as the registry does),
+    marked as coming from `source` (`make settings`-style provenance: CONFIG, command line)."""
     from app.settings import BY_NAME, _value
 
     values = dict(settings.values)
