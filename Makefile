@@ -43,7 +43,7 @@ prep: ## GSM8K + the arith task -> verl RL + SFT parquet under DATA_DIR (GSM8K_S
 data-check: ## check your own parquet: make data-check FILE=x.parquet [KIND=rl|sft] [FIX=out.parquet]
 	$(call app,gsm8k-prep) data check
 
-check: ## preflight only: make check JOB=sft|grpo
+check: ## preflight only: make check JOB=sft|grpo [CONFIG=my.yaml]
 	$(call app,sft-runner) check
 
 sft: ## SFT on this node (NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT; DRY_RUN=1, FRESH=1)

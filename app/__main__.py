@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
-from app.common import UserError
+from app.common import Terminated, UserError, raise_terminated
+
+# Top-level packages the stack imports (pyproject.toml's dependencies and what they bring). A
+# ModuleNotFoundError for one of them means this interpreter is not the stack's environment, not a bug.
+DEPENDENCIES = {"omegaconf", "hydra", "yaml", "pyarrow", "pandas", "numpy", "torch", "transformers",
+                "tokenizers", "tensordict", "ray", "verl", "datasets", "safetensors", "peft", "accelerate",
+                "swanlab", "matplotlib", "rich", "tqdm", "psutil", "huggingface_hub", "dotenv"}
 
 # command -> (module, one-line help). Each module exposes main(command, argv, settings) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -47,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; run `python -m app --help` for the list", file=sys.stderr)
         return 2
+    # SIGTERM (docker stop, kill, timeout) unwinds like Ctrl-C: temporaries removed, children stopped
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         from app.settings import load
 
@@ -57,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        # APP_DEBUG from the environment: the settings may be what failed to import
+        if top not in DEPENDENCIES or os.environ.get("APP_DEBUG"):
+            raise
+        print(f"error: {sys.executable} cannot import {top!r}, which the stack needs: run `make setup` and use "
+              "its .venv (leave PYTHON unset), install the stack into this interpreter (pip install -e .), or "
+              "point PYTHONPATH at a site-packages that has it (RUNTIME=local PYTHON=... PYTHONPATH=...)",
+              file=sys.stderr, flush=True)
+        return 2
+    except Terminated:
+        print("error: stopped by SIGTERM; nothing half-written was kept, rerun the same command",
+              file=sys.stderr, flush=True)
+        return 143
     except KeyboardInterrupt:
         print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
         return 130

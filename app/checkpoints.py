@@ -525,7 +525,7 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
     _remove_leftovers(out)
     say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {where.shard_dir} "
         f"into {out}")
-    with atomic_path(out) as tmp:
+    with atomic_path(out, "OUT_DIR") as tmp:
         if engine == "verl":
             merge_with_verl(shards, tmp)
         elif engine == "stream":

@@ -41,22 +41,105 @@ def verl_dir() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, kill, a scheduler) raised like Ctrl-C, so that every `finally` and
+    atomic_path cleans up exactly as for an interrupt; the CLI reports it as one line, exit 143."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_temporaries(final: Path) -> list[Path]:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `final` whose process is gone.
+
+    atomic_path cleans its temporary on any exception, but not after SIGKILL, OOM or power loss: the next
+    write of the same path does it here. A temporary of a live process (a concurrent run) is kept.
+    """
+    removed = []
+    prefix = f".{final.name}."
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:
+        return removed
+    for sibling in siblings:
+        name = sibling.name
+        if not name.startswith(prefix):
+            continue
+        kind, _, rest = name[len(prefix):].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if sibling.is_dir() and not sibling.is_symlink():
+                shutil.rmtree(sibling)
+            else:
+                sibling.unlink()
+            removed.append(sibling)
+    return removed
+
+
+def unwritable(path: Path, reason: str, setting: str | None = None) -> UserError:
+    """The one-line refusal for a location we cannot write (permissions, read-only mount, a file in the way)."""
+    named = f" ({setting})" if setting else ""
+    where = f"set {setting} to a writable directory" if setting else "choose a writable location"
+    return UserError(f"cannot write {path}{named}: {reason}: {where}, or fix its permissions / mount")
+
+
+def writable_dir(directory: Path, setting: str | None = None) -> Path:
+    """Create `directory` if needed and check that this process may create files in it (else UserError)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise unwritable(directory, "a file is in the way (not a directory)", setting) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if exc.filename and str(exc.filename) != str(directory):
+            reason += f" at {exc.filename}"
+        raise unwritable(directory, reason, setting) from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_mount(directory) else "permission denied"
+        raise unwritable(directory, reason, setting)
+    return directory
+
+
+def _read_only_mount(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def atomic_path(final: Path | str) -> Iterator[Path]:
+def atomic_path(final: Path | str, setting: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `final` (file or directory) and rename it into place on success.
 
-    On any failure (exception, Ctrl-C) the temporary is removed, so `final` is either the complete
-    new result or untouched: nothing half-written is ever visible under the final name.
+    On any failure (exception, Ctrl-C, SIGTERM through the CLI's handler) the temporary is removed, so
+    `final` is either the complete new result or untouched: nothing half-written is ever visible under
+    the final name. Temporaries left by a killed process (SIGKILL) are removed by the next write of the
+    same path. An unwritable parent is a UserError naming it (and `setting`, the variable that chose it).
     The caller decides beforehand whether an existing `final` may be replaced.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(final.parent, setting)
+    sweep_stale_temporaries(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         yield tmp
         if final.is_dir() and not final.is_symlink() and tmp.is_dir():
             # os.replace cannot replace a non-empty directory: move the old one aside first.
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)

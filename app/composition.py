@@ -180,13 +180,36 @@ def _verl_base_config(job: str):
         return hydra_compose(config_name=BASE_CONFIG[job])
 
 
-def check_profile_keys(job: str) -> None:
-    """Every key of configs/<job>.yaml must exist in verl's packaged config (except PROFILE_NEW_KEYS).
+def _known_key(base, dotted: str) -> bool:
+    """Whether verl's config declares `dotted`, or a parent of it that is free-form (an empty mapping such as
+    override_config or engine_kwargs.vllm, or null), where verl takes any key."""
+    from omegaconf import DictConfig
+
+    node = base
+    for part in dotted.split("."):
+        if node is None or (isinstance(node, (dict, DictConfig)) and len(node) == 0):
+            return True
+        if isinstance(node, DictConfig) and part in node.keys():
+            node = node._get_node(part)
+            node = None if node._is_none() else (node if isinstance(node, DictConfig) else node._value())
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return False
+    return True
+
+
+def check_profile_keys(job: str, settings=None) -> None:
+    """Every key of configs/<job>.yaml and of the user's CONFIG file (settings["CONFIG"]) must exist in
+    verl's packaged config (except PROFILE_NEW_KEYS and keys under free-form mappings); all unknown keys
+    are refused at once, with the new name where verl renamed a key the old walkthrough used (app.renames).
 
     Hydra merges a primary config file's own keys without struct checks, so a misspelt key there would
     be silently carried; command-line overrides (ARGS) are already checked by Hydra itself.
     """
     import yaml
+
+    from app import renames, userconfig
 
     try:
         profile = yaml.safe_load((CONFIG_DIR / f"{job}.yaml").read_text()) or {}
@@ -194,15 +217,13 @@ def check_profile_keys(job: str) -> None:
         raise UserError(f"configs/{job}.yaml is not valid YAML: {' '.join(str(exc).split())}: fix it "
                         "(or restore it with `git checkout configs/" + job + ".yaml`)") from None
     profile.pop("defaults", None)
+    layers = [(f"configs/{job}.yaml", userconfig.leaves(profile))]
+    user = userconfig.user_leaves(settings) if settings is not None else None
+    if user is not None:
+        layers.append((f"CONFIG {user[0]}", user[1]))
     base = _verl_base_config(job)
-    for key in _leaf_keys(profile):
-        if key in PROFILE_NEW_KEYS[job]:
-            continue
-        if not _has_key(base, key):
-            raise UserError(
-                f"configs/{job}.yaml sets {key}, which verl 0.9.1's {BASE_CONFIG[job]} does not have: "
-                "fix the spelling (see `python -m app config " + job + "`)")
-
+    renames.refuse_unknown(job, BASE_CONFIG[job], layers,
+                           lambda key: key in PROFILE_NEW_KEYS[job] or _known_key(base, key))
 
 
 def verl_validate(cfg) -> None:

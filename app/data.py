@@ -49,6 +49,8 @@ class CheckReport:
     kind: str
     rows: int
     notes: list[str] = field(default_factory=list)
+    # one hashable key per row: its chat column (RL prompt / SFT messages), for duplicate and overlap checks
+    keys: list = field(default_factory=list, repr=False)
 
     def summary(self) -> str:
         what = "RL (prompt, data_source, reward_model)" if self.kind == "rl" else "SFT (messages)"
@@ -232,6 +234,11 @@ def _check_rl(table, where: str, notes: list[str]) -> None:
     if (row := _first(missing)) is not None:
         raise UserError(f"{where}: row {row} has no reward_model.ground_truth: fill it in or drop the row; "
                         "without it the reward cannot be computed")
+    if _is_number_type(truth.type):
+        raise UserError(
+            f"{where}: reward_model.ground_truth is stored as {truth.type} (row 0: {truth[0].as_py()!r}), not as "
+            f"text: verl's scorers compare it with the extracted answer as a string, so every answer would score "
+            f"0.0: run `python -m app data check {where} --fix OUT.parquet` (writes it as text) and train on OUT.parquet")
 
     routed = routed_data_sources()
     counts = {v["values"]: v["counts"] for v in pc.value_counts(source).to_pylist()}
@@ -260,11 +267,70 @@ def _check_sft(table, where: str) -> None:
                         "turns; add the answer as {\"role\": \"assistant\", ...} or drop the row")
 
 
+def _is_number_type(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type)
+
+
+def is_prompt_response(columns) -> bool:
+    """The old walkthrough's single-turn SFT form (verl < 0.7: data.prompt_key / data.response_key)."""
+    columns = set(columns)
+    return {"prompt", "response"} <= columns and "messages" not in columns and "reward_model" not in columns
+
+
+def _row_keys(table, column: str) -> list:
+    """One hashable key per row: the row's chat as ((role, content), ...). to_pylist, not arrow kernels on
+    literals: those would import pandas (see above); 7.5k GSM8K rows take ~0.05 s."""
+    return [tuple((m["role"], m["content"]) for m in chat) for chat in table.column(column).to_pylist()]
+
+
+def _duplicate_note(keys: list, what: str) -> str | None:
+    first: dict = {}
+    repeats = []
+    for row, key in enumerate(keys):
+        if key in first:
+            repeats.append((row, first[key]))
+        else:
+            first[key] = row
+    if not repeats:
+        return None
+    row, earlier = repeats[0]
+    return (f"{len(repeats)} of {len(keys)} rows repeat an earlier row's {what} (first: row {row} = row {earlier}): "
+            "duplicates count double in training and in validation; drop them (pandas: drop_duplicates) unless "
+            "that weighting is intended")
+
+
+def compare_splits(train: CheckReport, val: CheckReport) -> str | None:
+    """Refuse a validation file that holds the training rows; a warning (returned) when some overlap."""
+    if not train.keys or not val.keys or train.kind != val.kind:
+        return None
+    train_keys = set(train.keys)
+    shared = sum(key in train_keys for key in val.keys)
+    if shared == len(val.keys) and set(val.keys) == train_keys:
+        raise UserError(f"{val.path} holds the same rows as {train.path}: validation on the training data "
+                        "measures memorisation, not learning; point VAL_FILE (or the val file) at the held-out "
+                        "split (make prep writes test.parquet beside train.parquet)")
+    if shared:
+        return (f"{shared} of {len(val.keys)} rows of {val.path} also appear in {train.path}: those validation "
+                "scores are inflated; remove them from one of the files")
+    return None
+
+
+def prompt_response_error(where: str) -> UserError:
+    return UserError(
+        f"{where} is prompt/response SFT data (the old walkthrough's form: columns prompt + response); verl 0.9.1 "
+        f"trains SFT only on a `messages` conversation: convert it with `python -m app data check {where} --fix "
+        "OUT.parquet` (make data-check FILE=... FIX=OUT.parquet) and train on OUT.parquet")
+
+
 def check_table(table, kind: str | None, where: str) -> CheckReport:
     """Check an in-memory arrow table as `check_parquet` does (`where` names it in messages)."""
     if table.num_rows == 0:
         raise UserError(f"{where} has no rows: an empty dataset cannot train; point at a file with data")
     columns = set(table.column_names)
+    if is_prompt_response(columns):  # would otherwise pass for RL data (it has `prompt`) or lack `messages`
+        raise prompt_response_error(where)
     if kind is None:
         if "messages" in columns and "prompt" not in columns:
             kind = "sft"
@@ -284,7 +350,11 @@ def check_table(table, kind: str | None, where: str) -> CheckReport:
         _check_rl(table, where, notes)
     else:
         _check_sft(table, where)
-    return CheckReport(Path(where), kind, table.num_rows, notes)
+    keys = _row_keys(table, needed)
+    duplicates = _duplicate_note(keys, "prompt" if kind == "rl" else "conversation")
+    if duplicates:
+        notes.append(f"{where}: {duplicates}")
+    return CheckReport(Path(where), kind, table.num_rows, notes, keys)
 
 
 def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
@@ -333,11 +403,70 @@ def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
     return metadata
 
 
+def _truth_as_text(value) -> str | None:
+    """A numeric ground truth as the text verl's scorers compare with: 5 and 5.0 -> "5", 2.5 -> "2.5"."""
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if hasattr(value, "normalize"):  # decimal.Decimal
+        text = format(value.normalize(), "f")
+        return text
+    return str(value)
+
+
+def _fix_ground_truth(table, changes: list[str]):
+    import pyarrow as pa
+
+    if "reward_model" not in table.column_names:
+        return table
+    reward = table.column("reward_model").combine_chunks()
+    if not pa.types.is_struct(reward.type) or "ground_truth" not in {f.name for f in reward.type}:
+        return table
+    truth_type = reward.type.field("ground_truth").type
+    if not _is_number_type(truth_type):
+        return table
+    rows = reward.to_pylist()
+    for row in rows:
+        if row is not None:
+            row["ground_truth"] = _truth_as_text(row["ground_truth"])
+    fields = [pa.field("ground_truth", pa.string()) if f.name == "ground_truth" else f for f in reward.type]
+    index = table.column_names.index("reward_model")
+    table = table.set_column(index, pa.field("reward_model", pa.struct(fields)),
+                             pa.array(rows, type=pa.struct(fields)))
+    changes.append(f"reward_model.ground_truth written as text (was {truth_type})")
+    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "reward_model"))
+
+
+def _prompt_response_to_messages(table, changes: list[str]):
+    """prompt (text or chat list) + response (text) -> one `messages` conversation per row."""
+    import pyarrow as pa
+
+    prompts = table.column("prompt").to_pylist()
+    responses = table.column("response").to_pylist()
+    conversations = []
+    for prompt, response in zip(prompts, responses):
+        chat = _chat_from_string(prompt) if isinstance(prompt, str) else list(prompt or [])
+        chat = [{"role": m.get("role"), "content": m.get("content")} for m in chat]
+        conversations.append(chat + [{"role": "assistant", "content": response}])
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    keep = [name for name in table.column_names if name not in ("prompt", "response", "__index_level_0__")]
+    table = table.select(keep)
+    table = table.add_column(0, pa.field("messages", pa.list_(message)),
+                             pa.array(conversations, type=pa.list_(message)))
+    changes.append(f"prompt + response converted to a `messages` conversation in {len(conversations)} rows")
+    # pandas' and datasets' recorded column lists no longer match the file: drop them, both re-infer
+    return table.replace_schema_metadata(None)
+
+
 def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, force: bool = False
-                ) -> tuple[CheckReport, int]:
-    """Write a copy of RL file `path` to `out` with every plain-string `prompt` turned into a chat list
-    (`[{"role": "user", "content": text}]`). The result is checked before it is written (atomically);
-    on any problem nothing is written. Returns (report of the new file, number of prompts rewritten)."""
+                ) -> tuple[CheckReport, list[str]]:
+    """Write a repaired copy of `path` to `out`:
+      - RL: every plain-string `prompt` turned into a chat list (`[{"role": "user", "content": text}]`),
+        a numeric `reward_model.ground_truth` written as text (verl's scorers compare strings);
+      - SFT in the old prompt/response form: converted to a `messages` conversation (user, assistant).
+    The result is checked before it is written (atomically); on any problem nothing is written.
+    Returns (report of the new file, what was changed: one phrase per repair)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -347,24 +476,31 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
-    if kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
-        raise UserError(f"--fix rewrites string RL prompts; {path} is SFT data: SFT `messages` must already be "
-                        "a conversation list")
-    rewritten = 0
-    if "prompt" in table.column_names:
-        prompt = table.column("prompt")
-        if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
-            chats = [_chat_from_string(text) for text in prompt.to_pylist()]
-            rewritten = sum(chat is not None for chat in chats)
-            message = pa.struct([("role", pa.string()), ("content", pa.string())])
-            index = table.column_names.index("prompt")
-            table = table.set_column(index, pa.field("prompt", pa.list_(message)),
-                                     pa.array(chats, type=pa.list_(message)))
-            table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
-    report = check_table(table, "rl", str(out))
-    with atomic_path(out) as tmp:
+    changes: list[str] = []
+    if is_prompt_response(table.column_names) and kind in (None, "sft"):
+        table = _prompt_response_to_messages(table, changes)
+        report = check_table(table, "sft", str(out))
+    else:
+        if kind == "sft" or (kind is None and "messages" in table.column_names
+                             and "prompt" not in table.column_names):
+            raise UserError(f"--fix repairs RL data and prompt/response SFT data; {path} is `messages` SFT data, "
+                            "which must already be a conversation list: `data check` says what is wrong with it")
+        if "prompt" in table.column_names:
+            prompt = table.column("prompt")
+            if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
+                chats = [_chat_from_string(text) for text in prompt.to_pylist()]
+                rewritten = sum(chat is not None for chat in chats)
+                message = pa.struct([("role", pa.string()), ("content", pa.string())])
+                index = table.column_names.index("prompt")
+                table = table.set_column(index, pa.field("prompt", pa.list_(message)),
+                                         pa.array(chats, type=pa.list_(message)))
+                table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
+                changes.append(f"{rewritten} string prompts rewritten as chat lists")
+        table = _fix_ground_truth(table, changes)
+        report = check_table(table, "rl", str(out))
+    with atomic_path(out, "FIX") as tmp:
         pq.write_table(table, tmp)
-    return report, rewritten
+    return report, changes
 
 
 # --- GSM8K ---------------------------------------------------------------------------------------------
@@ -551,8 +687,8 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
     try:
         with contextlib.ExitStack() as stack:
             for split, (rl_rows, sft_rows) in converted.items():
-                rl_tmp = stack.enter_context(atomic_path(outputs[f"{name}/{split}"]))
-                sft_tmp = stack.enter_context(atomic_path(outputs[f"{name}_sft/{split}"]))
+                rl_tmp = stack.enter_context(atomic_path(outputs[f"{name}/{split}"], "DATA_DIR"))
+                sft_tmp = stack.enter_context(atomic_path(outputs[f"{name}_sft/{split}"], "DATA_DIR"))
                 pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
                 pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
                 for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
@@ -672,15 +808,31 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                         help="the parquet to check (FILE)")
     parser.add_argument("--kind", choices=KINDS, default=settings["KIND"], help="rl or sft (KIND; default: from the columns)")
     parser.add_argument("--fix", type=Path, metavar="OUT", default=settings["FIX"],
-                        help="write a copy with plain-string prompts turned into chat lists to OUT (FIX)")
+                        help="write a repaired copy to OUT (FIX): string prompts -> chat lists, numeric ground truth "
+                             "-> text, prompt/response SFT -> messages")
+    parser.add_argument("--against", type=Path, metavar="OTHER",
+                        help="the other split (train or test) to check for overlap (default: the train.parquet / "
+                             "test.parquet beside FILE)")
     args = parser.parse_args(argv)
     args.file, args.fix = Path(args.file), Path(args.fix) if args.fix else None
     if args.fix is not None:
-        report, rewritten = fix_parquet(args.file, args.fix, args.kind, force=settings["FORCE"])
-        say(f"wrote {args.fix} ({report.rows} rows, {rewritten} string prompts rewritten as chat lists)")
+        report, changes = fix_parquet(args.file, args.fix, args.kind, force=settings["FORCE"])
+        say(f"wrote {args.fix} ({report.rows} rows; {'; '.join(changes) or 'nothing needed fixing'})")
     else:
         report = check_parquet(args.file, args.kind)
+    other = args.against if args.against is not None else _sibling_split(args.file)
+    overlap = None
+    if other is not None:
+        overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
+                                         key=lambda r: r.path.name != "train.parquet"))
     say(report.summary())
-    for note in report.notes:
+    for note in report.notes + ([overlap] if overlap else []):
         warn(note)
     return 0
+
+
+def _sibling_split(path: Path) -> Path | None:
+    """`make prep`'s layout: train.parquet is compared with test.parquet beside it, and the other way round."""
+    partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(path.name)
+    candidate = path.with_name(partner) if partner else None
+    return candidate if candidate is not None and candidate.is_file() else None

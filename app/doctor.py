@@ -242,13 +242,49 @@ def check_head(settings: Settings) -> Check | None:
                  "other ports between the nodes (host networking, no firewall between them)")
 
 
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (no weights read); ValueError saying what is wrong with it."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size < 8:
+            raise ValueError(f"{path.name} is empty ({size} bytes)" if size == 0 else f"{path.name} is truncated "
+                             f"({size} bytes)")
+        length = struct.unpack("<Q", handle.read(8))[0]
+        if length > size - 8:
+            raise ValueError(f"{path.name} is truncated (header of {length} bytes in a {size}-byte file)")
+        try:
+            header = json.loads(handle.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"{path.name} has a damaged header (not safetensors JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} has a damaged header (not a JSON object)")
+    return header
+
+
+def human_bytes(count: float) -> str:
+    """1.5 GiB, 23.4 MiB, 512 KiB: precise enough at every model size (a tiny test model is MiBs)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} bytes"
+
+
+def human_parameters(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(count)
+
+
 def model_parameters(model: Path) -> int | None:
-    """Parameter count from the safetensors headers (no weights read)."""
+    """Parameter count from the safetensors headers (no weights read); None where there are none or one
+    is unreadable (check_model reports that)."""
     total, found = 0, False
     for path in model.glob("*.safetensors"):
-        with open(path, "rb") as handle:
-            size = struct.unpack("<Q", handle.read(8))[0]
-            header = json.loads(handle.read(size))
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError):
+            return None
         for name, meta in header.items():
             if name != "__metadata__":
                 count = 1
@@ -271,7 +307,7 @@ def check_disk(run: Path, model: Path | None) -> Check:
     if params:
         # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
         one = params * 12
-        need = f"one checkpoint of this {params / 1e9:.2f}B model is ~{one / GiB:.1f} GiB, 3 are kept"
+        need = f"one checkpoint of this {human_parameters(params)} model is ~{human_bytes(one)}, 3 are kept"
         if free < one:
             return Check("disk", "fail", f"{free / GiB:.0f} GiB free at {where}: {need}",
                          "free space, or set CKPT_DIR to a larger disk (the same path on every node)")
@@ -296,6 +332,12 @@ def check_model(model: Path | None) -> Check:
     if problems:
         return Check("MODEL_PATH", "fail", f"{model} has {', '.join(problems)}",
                      "point MODEL_PATH at a complete Hugging Face model directory (config, weights, tokenizer)")
+    for path in sorted(model.glob("*.safetensors")):
+        try:
+            safetensors_header(path)
+        except (OSError, ValueError) as exc:
+            return Check("MODEL_PATH", "fail", f"{model}: {exc}",
+                         "copy the model again (an interrupted download or copy leaves such files), or fix MODEL_PATH")
     return Check("MODEL_PATH", "ok", str(model))
 
 
@@ -377,20 +419,34 @@ def check_settings(settings: Settings) -> Check:
 
 def run_checks(settings: Settings) -> list[Check]:
     job = settings["JOB"]  # sft or grpo: app/settings.py refused anything else
-    checks = check_gpus(settings)
+    checks = guarded("GPUs", lambda: check_gpus(settings))
     gpu = checks[0].status == "ok"
     checks.insert(0, check_settings(settings))
-    checks += [check_shm(), check_memlock()]
-    checks += check_network(settings)
-    head = check_head(settings)
-    if head:
-        checks.append(head)
-    data, run, model = check_data([job] if job else ["sft", "grpo"], settings)
-    checks.append(check_model(model))
+    checks += guarded("/dev/shm", check_shm) + guarded("memlock", check_memlock)
+    checks += guarded("network", lambda: check_network(settings))
+    checks += guarded("Ray head", lambda: check_head(settings))
+    found = guarded("settings", lambda: check_data([job] if job else ["sft", "grpo"], settings))
+    data, run, model = found if isinstance(found, tuple) else (found, Path.cwd() / "checkpoints", None)
+    checks += guarded("MODEL_PATH", lambda: check_model(model))
     checks += data
-    checks.append(check_disk(run, model))
-    checks += check_packages(gpu)
+    checks += guarded("disk", lambda: check_disk(run, model))
+    checks += guarded("packages", lambda: check_packages(gpu))
     return checks
+
+
+def guarded(name: str, check):
+    """Run one check; a check that crashes is its own red line, so doctor still prints all the others.
+    Returns a list of Checks, or a check_data tuple unchanged."""
+    try:
+        result = check()
+    except UserError as exc:
+        return [Check(name, "fail", str(exc).split(": ", 1)[0], str(exc).split(": ", 1)[-1])]
+    except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the other checks
+        return [Check(name, "fail", f"this check failed: {type(exc).__name__}: {exc}",
+                      "rerun with APP_DEBUG=1 for the traceback and report it")]
+    if result is None:
+        return []
+    return result if isinstance(result, (list, tuple)) else [result]
 
 
 STYLE = {"ok": ("OK", "green"), "warn": ("WARN", "yellow"), "fail": ("FAIL", "bold red")}

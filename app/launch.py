@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from app import composition
-from app.common import UserError, say, warn
-from app.preflight import Launch, Preflight, preflight, read_launch, refuse_stale_environment, report
+from app.common import UserError, raise_terminated, say, warn
+from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
+                           refuse_without_gpus, report)
 from app.runs import latest_step, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
 
@@ -91,7 +92,8 @@ def run_process(settings: Settings, what: str, command: list[str], extra_env: di
 
 
 def preflight_and_report(job: str, settings: Settings, dry: bool) -> Preflight:
-    plan = preflight(job, settings, deep=not dry and job == "grpo")
+    # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
+    plan = preflight(job, settings, deep=job == "grpo", gpus=not dry)
     report(plan)
     return plan
 
@@ -208,6 +210,101 @@ def worker_command(s: Launch, settings: Settings) -> list[str]:
     return command + list(settings.get("RAY_START_ARGS", ()))
 
 
+class ClusterAddressFile:
+    """`ray start` (head or worker) records its cluster in `<Ray temp dir>/ray_current_cluster`, and a plain
+    `ray.init()` on this node (no address, e.g. `python -m verl.trainer.main_ppo`) joins whatever that file
+    names. Stopping `ray start --block` with SIGTERM does not reset it (only `ray stop` does, machine-wide), so
+    a later plain program would try to join our dead head and hang. Remembered before our `ray start` and put
+    back afterwards: removed, or the previous content restored, unless another cluster has replaced ours since.
+
+    The temp dir is Ray 2.60's (ray/_common/utils.py get_default_ray_temp_dir, mirrored to avoid importing
+    Ray): `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray.
+    """
+
+    def __init__(self, address: str, settings: Settings):
+        self.address = address
+        self.path = self.locate(settings)
+        self.before = self.read()
+
+    @staticmethod
+    def locate(settings: Settings) -> Path:
+        """Where the `ray start` we run (with settings.environ()) writes the file."""
+        args = list(settings.get("RAY_START_ARGS", ()))
+        environ = settings.environ()
+        for i, arg in enumerate(args):
+            if arg == "--temp-dir" and i + 1 < len(args):
+                return Path(args[i + 1]) / "ray_current_cluster"
+            if arg.startswith("--temp-dir="):
+                return Path(arg.split("=", 1)[1]) / "ray_current_cluster"
+        if "RAY_TMPDIR" in environ:
+            base = environ["RAY_TMPDIR"]
+        elif sys.platform.startswith("linux") and "TMPDIR" in environ:
+            base = environ["TMPDIR"]
+        else:
+            base = "/tmp"
+        return Path(base) / "ray" / "ray_current_cluster"
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text().strip()
+        except OSError:
+            return None
+
+    def ours(self, content: str | None) -> bool:
+        """Whether `content` names a cluster at our port. Ray writes the GCS address as it sees it (on a
+        head started with --node-ip-address 127.0.0.1 that can be the node's primary address), so the port
+        identifies it; whatever listened there is what this launch has just stopped."""
+        return content is not None and content.rsplit(":", 1)[-1] == self.address.rsplit(":", 1)[-1]
+
+    def restore(self) -> None:
+        now = self.read()
+        if not self.ours(now):
+            return  # never written by our `ray start`, or another cluster's since: not ours to touch
+        try:
+            if self.before is not None and not self.ours(self.before):
+                self.path.write_text(self.before)
+            else:
+                self.path.unlink()
+        except OSError as exc:
+            warn(f"could not reset {self.path} ({exc.strerror}): a plain ray.init() here would try to join "
+                 f"{now}; remove the file or run `ray stop`")
+
+
+def head_ip_problem(head_ip: str | None) -> str | None:
+    """Why HEAD_IP cannot be this node's Ray head address, or None. `ray start --head --node-ip-address`
+    with a foreign address starts a head that no worker reaches (or fails with a Ray traceback)."""
+    if not head_ip:
+        return None
+    from app.doctor import interface_addresses, is_local_address
+
+    if is_local_address(head_ip):
+        return None
+    mine = sorted({a for addresses in interface_addresses().values() for a in addresses if ":" not in a})
+    return (f"HEAD_IP={head_ip} is not an address of this machine (its addresses: {', '.join(mine) or 'none'}): "
+            "run make grpo-head on the head node itself, with HEAD_IP set to one of its addresses (and the same "
+            "HEAD_IP on every worker)")
+
+
+def head_reachable(host: str, port: int, window: float = 10.0) -> str | None:
+    """Within `window` seconds, whether anything at host:port can be reached: None when the head answers;
+    "refused" when the machine answers but nothing listens there yet (the head may still be starting);
+    else why not (timed out, no route, unknown host) - then HEAD_IP is wrong or the network blocks it."""
+    deadline = time.monotonic() + window
+    reason = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.5, min(3.0, deadline - time.monotonic()))):
+                return None
+        except ConnectionRefusedError:
+            return "refused"
+        except socket.gaierror as exc:
+            return f"unknown host: {exc.strerror}"
+        except OSError as exc:
+            reason = exc.strerror or "timed out"
+        time.sleep(0.5)
+    return reason
+
+
 def describe_nodes(nodes: list[dict]) -> str:
     return ", ".join(f"{n['NodeManagerAddress']} ({int(n['Resources'].get('GPU', 0))} GPU)" for n in nodes) or "none"
 
@@ -221,7 +318,6 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     set. Progress bar while waiting; on the deadline, a UserError saying how many joined, from which IPs.
     """
     import multiprocessing
-    import queue
 
     deadline = time.monotonic() + timeout
     host, port = address.rsplit(":", 1)
@@ -233,26 +329,37 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
             raise UserError(f"the Ray head at {address} did not come up within {timeout:.0f}s: see its output above")
         time.sleep(0.5)
     context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
+    # a pipe, not a multiprocessing Queue: a Queue's semaphores, left behind by Ctrl-C or SIGTERM, make the
+    # resource tracker print a "leaked semaphore" warning after our one error line
+    receiver, answers = context.Pipe(duplex=False)
     child = context.Process(target=_wait_child, daemon=True,
                             args=(address, nnodes, gpus_per_node, timeout, deadline - time.monotonic(), answers))
     child.start()
+    answers.close()
+    answered = False
     try:
         while True:
-            try:
-                kind, payload = answers.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if head is not None and head.poll() is not None:
-                    raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
-                                    "see its output above") from None
-                if not child.is_alive():
+            if receiver.poll(1.0):
+                try:
+                    kind, payload = receiver.recv()
+                except EOFError:
                     raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
                                     f"{child.exitcode}): see the output above") from None
+                answered = True
+                break
+            if head is not None and head.poll() is not None:
+                raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
+                                "see its output above")
+            if not child.is_alive() and not receiver.poll(0):  # gone without an answer
+                raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
+                                f"{child.exitcode}): see the output above")
     finally:
+        if not answered and child.is_alive():
+            child.terminate()  # interrupted: the waiting driver goes too, at once
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
+        receiver.close()
     if kind == "error":
         raise UserError(payload)
     return payload
@@ -268,7 +375,7 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
-        answers.put(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
+        answers.send(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
         return
     try:
         with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node") as bar:
@@ -279,12 +386,12 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
                     bar.update(min(len(ready), nnodes) - bar.n)
                     bar.set_postfix_str(", ".join(n["NodeManagerAddress"] for n in ready))
                 if len(ready) >= nnodes:
-                    answers.put(("ok", [{k: n[k] for k in ("NodeManagerAddress", "Resources")} for n in ready]))
+                    answers.send(("ok", [{k: n[k] for k in ("NodeManagerAddress", "Resources")} for n in ready]))
                     return
                 if time.monotonic() > deadline:
                     short = [n for n in alive if n not in ready]
                     extra = f"; too few GPUs on: {describe_nodes(short)}" if short else ""
-                    answers.put(("error", (
+                    answers.send(("error", (
                         f"only {len(ready)} of {nnodes} nodes joined within {timeout:.0f}s "
                         f"({describe_nodes(ready)}){extra}: run `make grpo-worker HEAD_IP={host}` on the others "
                         f"(same token, port {port} reachable), check GPUS_PER_NODE, or raise WAIT_TIMEOUT")))
@@ -317,8 +424,13 @@ def launch_grpo_head(settings: Settings) -> int:
     from app.tracking import tracking_overrides
 
     dry = settings["DRY_RUN"]
+    problem = head_ip_problem(settings["HEAD_IP"])
+    if problem and not dry:  # before preflight's notes: the one line is the refusal
+        raise UserError(problem)
     plan = preflight_and_report("grpo", settings, dry)
     s = plan.launch
+    if problem:  # a plan may be printed anywhere; starting the head may not
+        warn(problem)
     timeout = settings["WAIT_TIMEOUT"]
     prepare_run_dir(plan, settings["FRESH"], dry)  # FRESH first: the token and tracking directories belong to the new run
     track = tracking(s.run_dir, settings, dry)
@@ -338,10 +450,12 @@ def launch_grpo_head(settings: Settings) -> int:
     # the same token.
     os.environ.update(auth)
     head: subprocess.Popen | None = None
+    address_file: ClusterAddressFile | None = None
     if port_open(s.head_ip or "127.0.0.1", s.ray_port):
         say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
     else:
         say(f"$ {shlex.join(head_cmd)}")
+        address_file = ClusterAddressFile(s.ray_address, settings)
         head = subprocess.Popen(head_cmd, env=settings.environ(extra))
     try:
         nodes = wait_for_nodes(s.ray_address, s.nnodes, s.gpus_per_node, timeout, head)
@@ -351,6 +465,7 @@ def launch_grpo_head(settings: Settings) -> int:
         if head is not None:
             say("stopping the Ray head (workers leave when it goes away)")
             stop_process(head, "the Ray head")
+            address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
     if rc != 0:
         raise UserError(f"the GRPO driver exited with code {rc} (its output is above): fix the cause and rerun "
                         "`make grpo-head`; it resumes from the latest checkpoint")
@@ -370,6 +485,8 @@ def launch_grpo_worker(settings: Settings) -> int:
     if s.gpus_seen is not None and s.gpus_seen != s.gpus_per_node:
         raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) ({s.gpu_source}): "
                         f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
+    if not dry:
+        refuse_without_gpus(s, settings, "make grpo-worker")
     command = worker_command(s, settings)
     timeout = settings["WAIT_TIMEOUT"]
     extra = tracking(s.run_dir, settings, dry)
@@ -378,6 +495,13 @@ def launch_grpo_worker(settings: Settings) -> int:
         print_plan(settings, f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
             (f"wait up to {timeout}s for the head, then join it and stay until it goes away", command)])
         return 0
+    reach = head_reachable(s.head_ip, s.ray_port)
+    if reach not in (None, "refused"):
+        raise UserError(f"no Ray head answers at {s.ray_address} ({reach}): start make grpo-head there first, or "
+                        "fix HEAD_IP / RAY_PORT (the head's address and port, reachable from this node)")
+    if reach == "refused":  # the machine is there, its head not (yet): say so now, not after WAIT_TIMEOUT
+        warn(f"nothing answers at {s.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
+             "(if HEAD_IP or RAY_PORT is wrong, stop this and fix it)")
     deadline = time.monotonic() + timeout
     with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
         while True:
@@ -391,9 +515,19 @@ def launch_grpo_worker(settings: Settings) -> int:
                                 "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
             time.sleep(2.0)
             bar.update(2)
+    address_file = ClusterAddressFile(s.ray_address, settings)
+    try:
+        return _run_worker(s, settings, command, {**extra, **auth}, deadline)
+    finally:
+        address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
+
+
+def _run_worker(s: Launch, settings: Settings, command: list[str], environment: dict[str, str],
+                deadline: float) -> int:
+    """`ray start --address ... --block` until the head goes away; retried while the head is still starting."""
     while True:
         started = time.monotonic()
-        rc = run_process(settings, "grpo-worker", command, {**extra, **auth})
+        rc = run_process(settings, "grpo-worker", command, environment)
         if not port_open(s.head_ip, s.ray_port):
             say(f"the Ray head at {s.ray_address} went away: worker stopped")
             return 0
@@ -411,12 +545,10 @@ def _worker_auth(s: Launch, settings: Settings) -> dict[str, str] | None:
     return ray_auth_env(s.run_dir, settings, create=False) if token_path(s.run_dir, settings).is_file() else None
 
 
-def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt  # so that `finally` stops what this launch started (SIGTERM from docker/kill)
-
-
 def main(command: str, argv: list[str], settings: Settings) -> int:
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM from docker/kill raises Terminated (a KeyboardInterrupt), so that `finally` stops what
+    # this launch started
+    signal.signal(signal.SIGTERM, raise_terminated)
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__ or "")
         return 0

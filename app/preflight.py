@@ -16,12 +16,12 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app import perf
+from app import perf, userconfig
 from app.common import ArgParser, UserError, say, warn
 from app.composition import (BASE_CONFIG, LOGGER_PACKAGES, MODEL_KEY, ROLLOUT_ENGINES, check_job,
                              check_profile_keys, compose, hydra_value, verl_validate)
 from app.runs import model_dir_problems, run_dir
-from app.settings import Settings
+from app.settings import BY_NAME, Settings
 
 # --- what a launch on this node needs ---------------------------------------------------------------
 @dataclass
@@ -47,6 +47,7 @@ class Launch:
     project: str | None
     args: list[str]  # the user's ARGS, joined last (Preflight.hydra_overrides)
     relative: list[str] = field(default_factory=list)  # NAME=value the user gave as relative paths
+    config_layer: list[str] = field(default_factory=list)  # CONFIG's keys as overrides (app/userconfig.py)
 
     @property
     def multi_node(self) -> bool:
@@ -110,6 +111,7 @@ def _path_setting(settings: Settings, name: str, default: Path | None, relative:
 def read_launch(job: str, settings: Settings) -> Launch:
     """The launch settings of `job` on this node."""
     check_job(job)
+    settings = userconfig.with_file_defaults(job, settings)  # CONFIG's model.path, data, run dir as defaults
     relative: list[str] = []
     gpus_seen, gpu_source = count_gpus(settings["CUDA_VISIBLE_DEVICES"])
     data_dir = _path_setting(settings, "DATA_DIR", None, relative)
@@ -137,12 +139,14 @@ def read_launch(job: str, settings: Settings) -> Launch:
         project=settings["PROJECT"],
         args=list(settings.get("ARGS", ())),
         relative=relative,
+        config_layer=userconfig.overrides(settings),
     )
 
 
 def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
-    """The stack's own Hydra overrides for `s` (the user's ARGS are not among them: they come last)."""
-    out: list[str] = []
+    """The stack's own Hydra overrides for `s` (the user's ARGS are not among them: they come last).
+    CONFIG's keys come first: above the profile, below the settings."""
+    out: list[str] = list(s.config_layer)
     model = MODEL_KEY[s.job]
     if s.model_path is not None:
         out.append(f"{model}.path={hydra_value(s.model_path)}")
@@ -199,7 +203,7 @@ def model_problem(model: Path) -> str | None:
     return f"{model} is not a directory" if problems == ["not a directory"] else f"{model} has {problems[0]}"
 
 
-def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]) -> None:
+def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: list[str]):
     from app.data import check_parquet
 
     if not path.exists():
@@ -208,6 +212,7 @@ def _check_data(path: Path, kind: str, what: str, notes: list[str], warnings: li
     report = check_parquet(path, kind)
     notes.append(f"{what}: {path} ({report.rows} rows, {kind})")
     warnings += list(report.notes)
+    return report
 
 
 def _int(cfg, key: str, default: int = 0) -> int:
@@ -233,10 +238,23 @@ def refuse_stale_environment(settings: Settings) -> None:
             "(actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend, or through ARGS)")
 
 
-def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
+def refuse_without_gpus(s: Launch, settings: Settings, what: str) -> None:
+    """A launch that will start GPU work on a node without any GPU fails later in torch/NCCL with a
+    traceback: refuse it here, as `make smoke` does. The CPU stand-in trainers of the tests
+    (SFT_TRAINER_MODULE / GRPO_TRAINER_MODULE) need none."""
+    hook = "SFT_TRAINER_MODULE" if s.job == "sft" else "GRPO_TRAINER_MODULE"
+    if s.gpus_seen or settings[hook] != BY_NAME[hook].default:
+        return
+    raise UserError(f"{what} needs GPUs, but this node has none ({s.gpu_source}): run it on a GPU node "
+                    "(with docker: the NVIDIA container toolkit, compose `gpus: all`); DRY_RUN=1 prints the plan "
+                    f"and `make check JOB={s.job}` checks the config on any machine")
+
+
+def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = False) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
 
     deep=True also runs verl's own validate_config (GRPO), which imports verl (seconds, no GPU needed).
+    gpus=True (a real launch) refuses a node without GPUs.
     """
     from omegaconf import OmegaConf
 
@@ -246,6 +264,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
 
     # -- the environment of this node (each value's type and range: app/settings.py, already checked)
     refuse_stale_environment(settings)
+    check_profile_keys(job, settings)  # every unknown key of the profile and CONFIG at once, before anything else
     if not 0 <= s.node_rank < s.nnodes:
         raise UserError(f"NODE_RANK={s.node_rank} is outside [0, NNODES={s.nnodes}): give each machine its own "
                         f"rank 0..{s.nnodes - 1} (0 on the {'head' if job == 'grpo' else 'master'})")
@@ -263,6 +282,8 @@ def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
                         f"({s.gpu_source}): set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
     else:
         notes.append(f"GPUs: {s.gpus_seen} visible ({s.gpu_source})")
+    if gpus:
+        refuse_without_gpus(s, settings, "make sft" if job == "sft" else "make grpo-head")
     if s.multi_node and s.relative:
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
@@ -277,21 +298,25 @@ def preflight(job: str, settings: Settings, *, deep: bool = False) -> Preflight:
                         "with config.json, the tokenizer files and the weights")
 
     # -- compose (ARGS included) and check the config itself
-    check_profile_keys(job)
     perf_overrides, perf_notes = perf.overrides(job, s)
     overrides = stack_overrides(s, perf_overrides)
     cfg = compose(job, with_user_args(overrides, s.args))
     notes += perf_notes
+    warnings += userconfig.machine_warnings(job, settings, s)
     _check_config(s, cfg, notes, warnings)
     perf.check_budgets(s, cfg)
 
     # -- data
     kind = "sft" if job == "sft" else "rl"
     train = Path(str(OmegaConf.select(cfg, "data.train_files")))
-    _check_data(train, kind, "train file", notes, warnings)
+    train_report = _check_data(train, kind, "train file", notes, warnings)
     val = OmegaConf.select(cfg, "data.val_files")
     if val:
-        _check_data(Path(str(val)), kind, "val file", notes, warnings)
+        from app.data import compare_splits
+
+        overlap = compare_splits(train_report, _check_data(Path(str(val)), kind, "val file", notes, warnings))
+        if overlap:
+            warnings.append(overlap)
     elif job == "sft":
         warnings.append(f"no validation file ({s.val_file} missing): SFT runs without val/loss")
 
@@ -414,9 +439,12 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     # make check JOB=grpo: the job may come from JOB (default sft)
     parser.add_argument("job", nargs="?" if command == "check" else None, choices=sorted(BASE_CONFIG),
                         help="sft or grpo" + (" (default: JOB, else sft)" if command == "check" else ""))
+    parser.add_argument("--config", metavar="FILE", help="your own verl-style YAML over the profile (CONFIG)")
     if command == "config":
         parser.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")
     args = parser.parse_args(argv)
+    if args.config:  # --config FILE: as CONFIG=FILE
+        settings = userconfig.with_values(settings, {"CONFIG": args.config}, "command line")
     if command == "check":
         job = args.job or settings.get("JOB", "sft")
         plan = preflight(job, settings, deep=True)
@@ -427,7 +455,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     from omegaconf import OmegaConf
 
     s = read_launch(args.job, settings)
-    check_profile_keys(args.job)
+    check_profile_keys(args.job, settings)
     cfg = compose(args.job, with_user_args(stack_overrides(s, perf.overrides(args.job, s)[0]), s.args))
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0

@@ -120,6 +120,10 @@ REGISTRY: tuple[Var, ...] = (
     Var("MODEL_PATH", "path", None, "local Hugging Face model directory (required for training; nothing is "
         "downloaded)", "本地 Hugging Face 模型目录（训练必填，不会下载）", PREFLIGHT, G_RUN,
         example="<absolute path of a local model directory>"),
+    Var("CONFIG", "path", None, "your own verl-style YAML, layered over the profile and under the settings and "
+        "ARGS (every unknown key is listed at once, with verl 0.9.1's new name for the old walkthrough's keys)",
+        "你自己的 verl 风格 YAML，叠加在 profile 之上、设置与 ARGS 之下（所有未知键一次列出，旧教程中改名的键给出新名）",
+        PREFLIGHT, G_RUN),
     Var("DATA_DIR", "path", "data", "where `make prep` writes and training reads",
         "`make prep` 输出与训练读取的数据目录", ("prep", *PREFLIGHT, "eval"), G_RUN,
         example="<absolute path, the same on every node>"),

@@ -170,7 +170,7 @@ def read_attempt(path: Path) -> Attempt:
     return attempt
 
 
-def read_run(run: Path) -> RunLog:
+def read_run(run: Path, files: list[Path] | None = None) -> RunLog:
     """All attempts of a run merged in time order.
 
     A later attempt resumed from a checkpoint at some step: it re-runs every step after it, so the
@@ -179,7 +179,7 @@ def read_run(run: Path) -> RunLog:
     """
     from tqdm import tqdm
 
-    files = log_files(run)
+    files = log_files(run) if files is None else files
     if not files:
         raise UserError(f"no metrics logs under {run / 'logs'}: pass RUN=<run directory> "
                         "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k) of a run that has started")
@@ -193,8 +193,8 @@ def read_run(run: Path) -> RunLog:
         for step, metrics in attempt.steps.items():
             steps.setdefault(step, {}).update(metrics)
     if not steps:
-        raise UserError(f"the logs under {run / 'logs'} hold no metrics yet: wait for the first step "
-                        "to finish, then rerun")
+        where = f"{run} holds" if run.is_file() else f"the logs under {run / 'logs'} hold"
+        raise UserError(f"{where} no metrics yet: wait for the first step to finish, then rerun")
     return RunLog(run, attempts, steps)
 
 
@@ -307,13 +307,23 @@ def summary_text(log: RunLog, plots: list[str]) -> str:
 
 
 def report(run: Path) -> Path:
-    """Render <run>/report/ (PNGs + summary.txt) atomically and return it."""
-    if not run.is_dir():
+    """Render <run>/report/ (PNGs + summary.txt) atomically and return it. RUN may also be one JSONL log
+    (verl's own file logger output, wherever it was written): its report goes to <stem>-report/ beside it."""
+    if run.is_file():
+        if run.suffix != ".jsonl":
+            raise UserError(f"RUN={run} is a file but not a .jsonl metrics log: pass the run directory or "
+                            "verl's metrics .jsonl file")
+        log = read_run(run, [run])
+        out = run.with_name(f"{run.stem}-report")
+    elif not run.exists():
         raise UserError(f"run directory {run} does not exist: pass RUN=<run directory> "
-                        "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k)")
-    log = read_run(run)
-    out = run / "report"
-    with atomic_path(out) as tmp:
+                        "(CKPT_DIR of the run, e.g. checkpoints/grpo-gsm8k) or RUN=<metrics .jsonl file>")
+    elif not run.is_dir():
+        raise UserError(f"RUN={run} is neither a run directory nor a .jsonl metrics log: pass one of those")
+    else:
+        log = read_run(run)
+        out = run / "report"
+    with atomic_path(out, "RUN") as tmp:
         tmp.mkdir()
         plots = render(log, tmp)
         (tmp / "summary.txt").write_text(summary_text(log, plots), encoding="utf-8")

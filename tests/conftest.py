@@ -32,6 +32,21 @@ def run_app(*args: str, env: dict | None = None, cwd: Path | None = None, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+def without_make_summary(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """make adds its own `make: *** [Makefile:N: target] Error 2` after a failing recipe: drop that frame,
+    what is left is what the app said."""
+    kept = [line for line in result.stderr.splitlines() if not line.startswith("make: ***")]
+    result.stderr = "\n".join(kept) + ("\n" if kept else "")
+    return result
+
+
+def make(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`make TARGET VAR=...` in the repository, as a user types it (RUNTIME=local: this interpreter's .venv)."""
+    full = {**os.environ, "RUNTIME": "local", **(env or {})}
+    return without_make_summary(subprocess.run(["make", "--no-print-directory", "-s", *args], cwd=REPO, env=full,
+                                               capture_output=True, text=True, timeout=timeout))
+
+
 def assert_one_line_error(result) -> str:
     """A user-facing failure: non-zero exit, exactly one stderr line starting 'error:', no traceback."""
     assert result.returncode != 0, result.stdout + result.stderr

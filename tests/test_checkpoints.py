@@ -177,6 +177,38 @@ def test_merge_killed_halfway_leaves_no_out_dir_and_the_rerun_cleans_up(runs, tm
     assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".merged.*"))
 
 
+def test_merge_sigterm_is_one_line_nonzero_and_leaves_no_temporary_model_directory(runs, tmp_path):
+    out = tmp_path / "merged"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPT_DIR": str(runs[4]), "OUT_DIR": str(out)}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "merge"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not list(tmp_path.glob(".merged.tmp-*")):
+        time.sleep(0.01)
+    assert proc.poll() is None, "the merge finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)  # what `docker stop` / `kill` send
+    stdout, stderr = proc.communicate(timeout=120)
+    line = assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    assert proc.returncode == 143 and line.startswith("error: stopped by SIGTERM; nothing half-written was kept")
+    assert list(tmp_path.iterdir()) == []  # no OUT_DIR, no .merged.tmp-*
+
+
+def test_merge_into_a_read_only_out_dir_is_one_line_naming_out_dir(runs, tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    if os.geteuid() == 0:  # root ignores permission bits: a read-only mount
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(parent)]).returncode:
+            pytest.skip("cannot mount a read-only tmpfs here")
+    else:
+        parent.chmod(0o555)
+    try:
+        line = assert_one_line_error(run_app("merge", env={"CKPT_DIR": str(runs[1]), "OUT_DIR": str(parent / "m")}))
+        assert line.startswith(f"error: cannot write {parent} (OUT_DIR): ") and "set OUT_DIR to a writable" in line
+        assert list(parent.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(parent)]) if os.geteuid() == 0 else parent.chmod(0o755)
+
+
 def test_lora_checkpoint_gives_a_merged_full_model_plus_adapter_and_base(tiny_model_dir, tmp_path):
     import torch
     from peft import PeftModel

@@ -1,0 +1,211 @@
+"""Leave the node as found (issue 13): after grpo-head or grpo-worker ends - success, failure, SIGTERM - no
+Ray process of ours and no Ray state naming our cluster remain, proven by a plain `ray.init()` program run
+afterwards on the same machine; a successful run ends with its success line; HEAD_IP / the head's port are
+checked before anything waits. Real Ray on 127.0.0.1 / 127.0.0.2, started through `python -m app`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, assert_one_line_error, run_app
+from test_launch import FIXTURES, LAUNCH_VARS, free_port, start_app, stop_group
+
+sys.path.insert(0, str(FIXTURES))
+from stack_files import write_data_dir  # noqa: E402
+
+PLAIN_RAY = """
+import time, ray
+started = time.monotonic()
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+print("address", ray.get_runtime_context().gcs_address, "seconds", round(time.monotonic() - started, 1))
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_data_dir(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def ray_env(tmp_path, data_dir, tiny_model_dir):
+    """A launch environment whose Ray temp dir (RAY_TMPDIR: short, for AF_UNIX paths) belongs to this test."""
+    temp = tempfile.mkdtemp(prefix="ray")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(MODEL_PATH=str(tiny_model_dir), DATA_DIR=str(data_dir), CKPT_DIR=str(tmp_path / "run"),
+               PYTHONPATH=f"{FIXTURES}{os.pathsep}{REPO}", RAY_TMPDIR=temp, HEAD_IP="127.0.0.1",
+               RAY_PORT=str(free_port()), GPUS_PER_NODE="1", GRPO_TRAINER_MODULE="ray_driver",
+               RAY_START_ARGS=f"--num-gpus 1 --num-cpus 1 --include-dashboard false "
+                              f"--dashboard-agent-listen-port {free_port()}",
+               RAY_gcs_rpc_server_reconnect_timeout_s="5")
+    yield env
+    subprocess.run(["rm", "-rf", temp])
+
+
+def ray_processes_of(temp: str) -> list[str]:
+    """Live processes that belong to a Ray instance under the temp dir `temp` (their command lines name it)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if temp in cmdline and proc.info["pid"] != os.getpid():
+            found.append(f"{proc.info['pid']}: {cmdline[:160]}")
+    return found
+
+
+def assert_node_left_as_found(env: dict[str, str], head_address: str) -> None:
+    temp = env["RAY_TMPDIR"]
+    deadline = time.monotonic() + 30  # raylet's workers exit a moment after their raylet
+    while ray_processes_of(temp) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_processes_of(temp) == []
+    assert not (Path(temp) / "ray" / "ray_current_cluster").exists()
+    # a plain Ray program on this machine (no address: what `python -m verl.trainer.main_ppo` does) starts
+    # its own local cluster at once, instead of trying to join our departed head
+    plain = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RAY_gcs_rpc_server_reconnect_timeout_s")}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", PLAIN_RAY], env=plain, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    address = result.stdout.split()[1]
+    assert address != head_address and "Connecting to existing Ray cluster" not in result.stderr
+
+
+def last_line(log: Path) -> str:
+    return [line for line in log.read_text().splitlines() if line.strip()][-1]
+
+
+@pytest.mark.slow
+def test_after_a_successful_grpo_head_run_the_node_is_as_found_and_the_last_line_says_success(ray_env, tmp_path):
+    head = start_app("grpo-head", {**ray_env, "WAIT_TIMEOUT": "300"}, tmp_path / "head.log")
+    try:
+        code = head.wait(timeout=500)
+    finally:
+        stop_group(head)
+    log = tmp_path / "head.log"
+    assert code == 0, log.read_text()[-3000:]
+    assert last_line(log).startswith("GRPO finished: checkpoints in "), log.read_text()[-2000:]
+    assert (Path(ray_env["CKPT_DIR"]) / "driver.json").is_file()
+    assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
+
+
+@pytest.mark.slow
+def test_after_the_grpo_driver_fails_the_head_is_stopped_and_the_node_is_as_found(ray_env, tmp_path):
+    env = {**ray_env, "GRPO_TRAINER_MODULE": "no_such_driver_module", "WAIT_TIMEOUT": "300"}
+    head = start_app("grpo-head", env, tmp_path / "head.log")
+    try:
+        code = head.wait(timeout=500)
+    finally:
+        stop_group(head)
+    log = tmp_path / "head.log"
+    assert code == 2 and last_line(log).startswith("error: the GRPO driver exited with code 1"), log.read_text()
+    assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_waiting_grpo_head_is_one_line_143_and_the_node_is_as_found(ray_env, tmp_path):
+    env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "300"}
+    head = start_app("grpo-head", env, tmp_path / "head.log")
+    try:
+        cluster_file = Path(ray_env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 300
+        while not cluster_file.exists() and time.monotonic() < deadline and head.poll() is None:
+            time.sleep(0.5)
+        assert cluster_file.read_text().endswith(f":{ray_env['RAY_PORT']}")  # what Ray records while it runs
+        head.send_signal(signal.SIGTERM)  # to the app alone, as `docker stop` / `kill PID` do
+        code = head.wait(timeout=120)
+    finally:
+        stop_group(head)
+    log = tmp_path / "head.log"
+    assert code == 143 and last_line(log).startswith("error: stopped by SIGTERM"), log.read_text()[-3000:]
+    assert "stopping the Ray head" in log.read_text()
+    assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
+
+
+@pytest.mark.slow
+def test_after_the_worker_and_the_head_are_stopped_the_node_is_as_found(ray_env, tmp_path):
+    env = {**ray_env, "NNODES": "3", "WAIT_TIMEOUT": "300"}  # waits for a third node that never comes
+    head = start_app("grpo-head", env, tmp_path / "head.log")
+    worker = None
+    try:
+        deadline = time.monotonic() + 300
+        while "joined" not in (tmp_path / "head.log").read_text():  # the head is up and counts nodes
+            assert time.monotonic() < deadline and head.poll() is None, (tmp_path / "head.log").read_text()
+            time.sleep(0.5)
+        worker_args = f"--num-gpus 1 --num-cpus 1 --dashboard-agent-listen-port {free_port()}"
+        worker = start_app("grpo-worker", {**env, "NODE_IP": "127.0.0.2", "RAY_START_ARGS": worker_args},
+                           tmp_path / "worker.log")
+        while "2/3" not in (tmp_path / "head.log").read_text():
+            assert time.monotonic() < deadline and worker.poll() is None, (tmp_path / "worker.log").read_text()
+            time.sleep(0.5)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=120) == 143
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=120) == 143
+    finally:
+        for process in (worker, head):
+            if process is not None:
+                stop_group(process)
+    assert last_line(tmp_path / "worker.log").startswith("error: stopped by SIGTERM")
+    assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
+
+
+# --- addresses checked before anything waits ---------------------------------------------------------
+def foreign_address() -> str:
+    """An address that cannot be this machine's: every 127.0.0.0/8 address is, so the IPv6 documentation
+    prefix (RFC 3849) stands in. It is compared with this machine's addresses, never contacted."""
+    from app.doctor import interface_addresses
+
+    candidate = "2001:db8::7"
+    if candidate in {a for addresses in interface_addresses().values() for a in addresses}:
+        pytest.skip("this machine holds the documentation address")
+    return candidate
+
+
+def test_grpo_head_refuses_a_head_ip_that_is_not_this_machines(ray_env):
+    foreign = foreign_address()
+    result = run_app("grpo-head", env={**ray_env, "HEAD_IP": foreign})
+    line = assert_one_line_error(result)
+    assert line.startswith(f"error: HEAD_IP={foreign} is not an address of this machine (its addresses: ")
+    assert "127.0.0.1" in line and "run make grpo-head on the head node itself" in line
+    assert not Path(ray_env["CKPT_DIR"]).exists()  # no token, no Ray, no run directory
+
+
+def test_grpo_head_dry_run_with_a_foreign_head_ip_warns_but_prints_the_plan(ray_env):
+    foreign = foreign_address()
+    result = run_app("grpo-head", env={**ray_env, "HEAD_IP": foreign, "DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    assert f"warning: HEAD_IP={foreign} is not an address of this machine" in result.stderr
+    assert f"--node-ip-address {foreign}" in result.stdout
+
+
+def test_a_worker_says_within_seconds_that_no_head_answers_and_fails_at_wait_timeout(ray_env):
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "app", "grpo-worker"], cwd=REPO,
+                               env={**ray_env, "WAIT_TIMEOUT": "12"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    first = process.stderr.readline()
+    said_after = time.monotonic() - started
+    rest_out, rest_err = process.communicate(timeout=120)
+    address = f"127.0.0.1:{ray_env['RAY_PORT']}"
+    assert first.startswith(f"warning: nothing answers at {address} yet: waiting up to 12s for make grpo-head")
+    assert said_after < 15  # the interpreter start included; not after WAIT_TIMEOUT
+    errors = [line for line in rest_err.splitlines() if line.startswith("error:")]
+    assert process.returncode == 2 and "Traceback" not in rest_err and len(errors) == 1
+    assert errors[0].startswith("error: no head within 12s") and rest_err.rstrip().endswith(errors[0])
+
+
+def test_the_grpo_profile_starts_no_dataloader_worker_processes(ray_env, monkeypatch):
+    from app.preflight import preflight
+    from app.settings import load
+
+    assert preflight("grpo", load(ray_env)).config.data.dataloader_num_workers == 0
