@@ -22,12 +22,8 @@ import time
 from pathlib import Path
 
 from app import config as cfgmod
-from app.common import UserError, env, env_flag, env_int, say, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, env, env_flag, env_int, say, warn
 
-# Variables a launch hands on to its processes (and Ray actors, through `ray start`) and shows in DRY_RUN.
-PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NVSHMEM_",
-                 "VLLM_", "VERL_", "RAY_", "PYTORCH_", "OMP_", "TOKENIZERS_")
-PASS_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH")
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
