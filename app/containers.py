@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, env
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_IMAGE = "verl-stack:0.1.0"
@@ -78,6 +78,14 @@ IMAGE_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", 
               "/tmp")
 IMAGE_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr",
                "/opt/venv", "/opt/verl-stack")
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The docker side's one read of the environment (make's: the command line, the shell, .env); empty
+    counts as unset, as Make exports unset variables empty. Its own settings (RUNTIME, IMAGE, GPU, IB,
+    MOUNTS, STACK_HOME and the build's) are not the app's: they decide where the app runs."""
+    value = os.environ.get(name)
+    return value if value else default
 
 
 def passthrough_names() -> tuple[str, ...]:
@@ -296,7 +304,7 @@ def identity_mounts(mounts: Mounts, service: str) -> dict[str, str]:
     """Run as you: a passwd/group entry (ssh, getpass and Triton need one), a writable HOME and caches under
     state_dir(), your ~/.ssh read-only for the merger. Returns the environment to set inside."""
     uid, gid = os.getuid(), os.getgid()
-    home = os.environ.get("HOME") or str(Path.home())  # your HOME here is ssh's home inside (~/.ssh)
+    home = env("HOME") or str(Path.home())  # your HOME here is ssh's home inside (~/.ssh)
     try:
         name = pwd.getpwuid(uid).pw_name
     except KeyError:

@@ -4,6 +4,7 @@ says so in one line and fails (exit 3): it never skips."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -52,6 +53,37 @@ def pytest_collection_finish(session):
             pytest.exit(f"container suite cannot run: {problem}", returncode=3)
 
 
+def _reachable_by_user(path: Path) -> bool:
+    return subprocess.run(["setpriv", f"--reuid={USER_UID}", f"--regid={USER_UID}", "--clear-groups", "test", "-r",
+                           str(path / "Makefile"), "-a", "-x", str(path)], capture_output=True).returncode == 0
+
+
+@functools.cache
+def user_checkout() -> Path:
+    """Where USER_UID runs make: this checkout, or (when it lies under a directory only root may enter,
+    e.g. /root) a copy of its tracked files in a directory the user can reach."""
+    if _reachable_by_user(REPO):
+        return REPO
+    copy = Path(tempfile.mkdtemp(prefix="vstest-checkout-"))
+    copy.chmod(0o755)
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in filter(None, files.stdout.split("\0")):
+        if (REPO / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, copy / name)
+    for sub in ("data", "models", "checkpoints"):
+        (copy / sub).mkdir(exist_ok=True)
+        (copy / sub).chmod(0o777)  # a shared checkout's directories: the user writes there
+    return copy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_user_checkout():
+    yield
+    if user_checkout.cache_info().currsize and user_checkout() != REPO:
+        shutil.rmtree(user_checkout(), ignore_errors=True)
+
+
 class Stack:
     """Runs make targets in the checkout (or a directory reaching it) as root or as USER_UID, in a compose
     project of its own, and removes that project's containers afterwards (by id)."""
@@ -81,7 +113,8 @@ class Stack:
         env = self.env(**extra)
         if as_user:  # the node's own python3 runs the docker side (stdlib only): the user has no venv here
             env.update(HOME=str(self.home), PATH="/usr/local/bin:/usr/bin:/bin", PYTHON="python3")
-        return subprocess.run(self.command(target, *variables, as_user=as_user), cwd=cwd or REPO, env=env,
+        where = cwd or (user_checkout() if as_user else REPO)
+        return subprocess.run(self.command(target, *variables, as_user=as_user), cwd=where, env=env,
                               capture_output=True, text=True, timeout=timeout)
 
     def start(self, target: str, *variables: str, log: Path, **extra: str) -> subprocess.Popen:
