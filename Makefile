@@ -35,7 +35,7 @@ export DATA_DIR GSM8K_SOURCE MODEL_PATH NNODES NODE_RANK GPUS_PER_NODE MASTER_AD
 # The docker side (app/containers.py): image, build and overlay settings. GPU and IB = auto|0|1: the GPU
 # (compose.gpu.yaml) and InfiniBand (compose.ib.yaml) overlays, auto = where the node has them.
 export RUNTIME IMAGE FLAVOR BASE_IMAGE BUILDER SITE_CA WHEELS TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL \
-       GPU IB MOUNTS STACK_HOME COMPOSE_PROJECT_NAME
+       GPU IB MOUNTS STACK_HOME COMPOSE_PROJECT_NAME BUILD_FILES_PORT
 # $(call app,SERVICE): the `python -m app` prefix; in SERVICE's container unless RUNTIME=local.
 app = $(if $(filter local,$(RUNTIME)),$(PYTHON) -m app,$(PYTHON) -m app.containers run $(1))
 

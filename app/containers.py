@@ -432,17 +432,28 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+BUILD_FILES_PORT = 45871  # fixed, so that the URL (a build arg) stays the same and the layer cache holds
+
+
 @contextlib.contextmanager
 def served(files: dict[str, Path]) -> Iterator[str | None]:
     """Serve `files` (name -> host file or directory) on 127.0.0.1 for the build; yields the URL."""
     if not files:
         yield None
         return
+    raw = env("BUILD_FILES_PORT", str(BUILD_FILES_PORT)) or ""
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise UserError(f"BUILD_FILES_PORT={raw}: a TCP port number (1-65535) free on 127.0.0.1")
+    port = int(raw)
     with tempfile.TemporaryDirectory(prefix="verl-stack-build-") as tmp:
         for name, source in files.items():
             os.symlink(source, Path(tmp) / name)
         handler = functools.partial(_Quiet, directory=tmp)
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        try:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError as exc:
+            raise UserError(f"cannot serve SITE_CA/WHEELS to the build on 127.0.0.1:{port} ({exc.strerror}): "
+                            "set BUILD_FILES_PORT to a free port") from None
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
