@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FIXTURES, IMAGE, REPO, USER_UID, error_lines, owned_dir, plan_line, read_json)
+from containers.conftest import FIXTURES, IMAGE, REPO, USER_UID, error_lines, owned_dir, plan_line, read_json
 
 
 def free_port() -> int:
