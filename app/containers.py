@@ -153,8 +153,7 @@ def image_name() -> str:
 
 
 def setting(name: str, default: str) -> str:
-    value = (env(name, default) or default).strip().lower()
-    return value
+    return (env(name, default) or default).strip().lower()
 
 
 # --- paths --------------------------------------------------------------------------------------------
@@ -377,10 +376,6 @@ def plan(service: str, command: list[str], environ: dict[str, str], cwd: Path) -
     return argv, compose_env
 
 
-def masked_argv(argv: list[str], environ: dict[str, str]) -> str:
-    return shlex.join(argv)  # -e NAME never carries a value: secrets stay out of the printed line
-
-
 def choose_runtime() -> tuple[str, str]:
     """(runtime, why): RUNTIME=docker|local as asked; auto = docker only where the engine answers and the
     image is on this node."""
@@ -411,9 +406,10 @@ def run(service: str, command: list[str]) -> int:
         say(f"runtime: local ({why})")
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-m", "app", *command])
-    argv, compose_env = plan(service, command, dict(os.environ), Path.cwd())
+    # relative paths mean what they mean inside: the container's working directory is the checkout
+    argv, compose_env = plan(service, command, dict(os.environ), REPO)
     say(f"runtime: docker ({why})")
-    say(f"$ {masked_argv(argv, compose_env)}")
+    say(f"$ {shlex.join(argv)}")  # -e NAME carries no value: secrets stay out of this line
     sys.stdout.flush()
     os.chdir(REPO)
     os.execvpe(argv[0], argv, compose_env)
