@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -325,3 +326,40 @@ def test_gather_in_the_merger_uses_your_own_ssh_config_keys_and_known_hosts(stac
         assert f"on {address} port {sshd['port']}" in log, log[-2000:]
     assert "Accepted publickey for root" in log
     assert {p.name: p.read_bytes() for p in ssh.iterdir()} == before  # read-only: nothing written there
+
+
+# --- the build: nothing of the site's CA in the image (point 6) ------------------------------------------
+def _cert_lines(text: str) -> list[list[str]]:
+    import re
+
+    return [block.split() for block in re.findall(r"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIFICATE-----",
+                                                   text, re.S)]
+
+
+def test_the_image_holds_nothing_of_the_site_ca_it_was_built_with():
+    """SITE_CA (.ci/run passes this machine's pip CA) was served to the build on loopback: no layer and no
+    history entry may hold any certificate of it that the image's own public bundles lack."""
+    history = subprocess.run(["docker", "history", "--no-trunc", IMAGE], capture_output=True, text=True)
+    assert history.returncode == 0 and "BEGIN CERTIFICATE" not in history.stdout
+    site_ca = os.environ.get("SITE_CA")
+    if not site_ca:
+        return  # built without a site CA: nothing to look for beyond the history
+    bundles = subprocess.run(["docker", "run", "--rm", "--pull", "never", "--network", "none", "--entrypoint", "sh",
+                              IMAGE, "-c", "cat /etc/ssl/certs/ca-certificates.crt "
+                              "$(find /opt/venv -name '*.pem' -path '*cert*' -o -name roots.pem)"],
+                             capture_output=True, text=True)
+    assert bundles.returncode == 0, bundles.stderr
+    public = {"".join(lines) for lines in _cert_lines(bundles.stdout)}
+    public_lines = set(bundles.stdout.split())
+    site = [lines for lines in _cert_lines(Path(site_ca).read_text()) if "".join(lines) not in public]
+    unique = {line for lines in site for line in lines if len(line) == 64 and line not in public_lines}
+    if not unique:
+        return  # every certificate of SITE_CA is public and in the image anyway: nothing site-specific to find
+    patterns = Path(tempfile.mkdtemp()) / "site-ca-lines"
+    patterns.write_text("\n".join(sorted(unique)) + "\n")
+    try:
+        found = subprocess.run(["bash", "-c", f"set -o pipefail; docker save {IMAGE} | grep -a -c -F -f {patterns}"],
+                               capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(patterns.parent)
+    assert found.stdout.strip() == "0", f"{found.stdout.strip()} lines of SITE_CA's own certificates in {IMAGE}"
