@@ -3,11 +3,9 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# RUNTIME=auto|docker|local. auto: docker when a Docker engine answers, else local.
+# RUNTIME=auto|docker|local. auto: docker where a Docker engine answers and the image is on this node, else
+# local; app/containers.py decides and says which. RUNTIME=docker refuses in one line without them.
 RUNTIME ?= auto
-ifeq ($(RUNTIME),auto)
-override RUNTIME := $(shell timeout 5 docker info >/dev/null 2>&1 && echo docker || echo local)
-endif
 # RUNTIME=local runs in .venv when there is one, else any interpreter (PYTHON=python3 PYTHONPATH=...).
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
@@ -15,17 +13,15 @@ PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 # exports command-line variables to every recipe); the app reads .env itself, below both. So does compose,
 # for the containers. RUNTIME, PYTHON and IB are make's own: the command line or the shell only.
 
-# With RUNTIME=docker: IB=1 (default where /dev/infiniband exists) picks the GPU services' -ib variant.
-IB ?= $(if $(wildcard /dev/infiniband),1,0)
-service = $(1)$(if $(and $(filter 1,$(IB)),$(filter sft-runner ray-head ray-worker,$(1))),-ib)
-# compose mounts data/ models/ checkpoints/ of this directory at the same absolute path ($(CURDIR)):
-# create them first so that Docker does not create them owned by root.
-compose = mkdir -p data models checkpoints && PWD=$(CURDIR) docker compose
-# $(call app,SERVICE): the `python -m app` prefix, inside SERVICE's container with RUNTIME=docker.
-app = $(if $(filter docker,$(RUNTIME)),$(compose) run --rm $(call service,$(1)) python -m app,$(PYTHON) -m app)
+# The docker side (app/containers.py): image, build and overlay settings. GPU and IB = auto|0|1: the GPU
+# (compose.gpu.yaml) and InfiniBand (compose.ib.yaml) overlays, auto = where the node has them.
+export RUNTIME IMAGE FLAVOR BASE_IMAGE BUILDER SITE_CA WHEELS TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL \
+       GPU IB MOUNTS STACK_HOME COMPOSE_PROJECT_NAME BUILD_FILES_PORT
+# $(call app,SERVICE): the `python -m app` prefix; in SERVICE's container unless RUNTIME=local.
+app = $(if $(filter local,$(RUNTIME)),$(PYTHON) -m app,$(PYTHON) -m app.containers run $(1))
 
-.PHONY: help setup test prep data-check check sft grpo-head grpo-worker gather merge eval report \
-        board doctor smoke demo build lock tiny-model settings
+.PHONY: help setup test test-containers prep data-check check sft grpo-head grpo-worker gather merge eval \
+        report board doctor smoke demo build lock tiny-model settings
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -36,6 +32,9 @@ setup: ## build .venv with everything the tests and the CPU-side commands need
 
 test: ## run the whole test suite (CPU; real Ray, torchrun and FSDP processes)
 	$(PYTHON) -m pytest
+
+test-containers: ## the container suite: every target in real containers (a Docker engine, IMAGE built; .ci/run)
+	$(PYTHON) -m pytest -m containers tests/containers
 
 prep: ## GSM8K + the arith task -> verl RL + SFT parquet under DATA_DIR (GSM8K_SOURCE=dir|hf, default: bundled)
 	$(call app,gsm8k-prep) prep
@@ -85,8 +84,8 @@ demo: ## proof of learning on one GPU: tiny model, SFT -> eval A0 -> GRPO -> eva
 tiny-model: ## write a tiny random model + tokenizer: make tiny-model OUT=models/tiny
 	$(call app,merger) tiny-model
 
-build: ## build the pinned image (IMAGE, default verl-stack:0.1.0); every service runs it
-	$(compose) build sft-runner
+build: ## build the image IMAGE (default verl-stack:0.1.0): FLAVOR=gpu|cpu, BASE_IMAGE, SITE_CA, WHEELS
+	$(PYTHON) -m app.containers build
 
 lock: ## re-resolve docker/*.lock with hashes from docker/requirements.in + pyproject.toml (network)
 	scripts/lock.sh

@@ -45,6 +45,12 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def debug() -> bool:
+    # APP_DEBUG from the environment, not the settings: the traceback switch must work when importing or
+    # loading them is what failed
+    return bool(os.environ.get("APP_DEBUG"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -68,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
-        # APP_DEBUG from the environment: the settings may be what failed to import
-        if top not in DEPENDENCIES or os.environ.get("APP_DEBUG"):
+        if top not in DEPENDENCIES or debug():
             raise
         print(f"error: {sys.executable} cannot import {top!r}, which the stack needs: run `make setup` and use "
               "its .venv (leave PYTHON unset), install the stack into this interpreter (pip install -e .), or "
@@ -84,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user mistake: still one line unless asked for more
-        # Read here, not from the settings: the traceback switch must work when loading them is what failed.
-        if os.environ.get("APP_DEBUG"):
+        if debug():
             raise
         print(
             f"error: internal error {type(exc).__name__}: {exc} "

@@ -14,6 +14,13 @@ from typing import Iterator
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# Variables a launch hands on to its processes (and Ray actors, through `ray start`) and shows in DRY_RUN;
+# app.containers hands the same ones to the container.
+PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NVSHMEM_",
+                 "VLLM_", "VERL_", "RAY_", "PYTORCH_", "OMP_", "TOKENIZERS_")
+PASS_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH")
+
+
 class UserError(Exception):
     """A failure the user can fix. The CLI prints it as one line (no traceback) and exits non-zero.
 

@@ -176,7 +176,8 @@ def check_memlock() -> Check:
     if soft == resource.RLIM_INFINITY:
         return Check("memlock", "ok", "unlimited")
     text = f"{soft // 1024} KiB"
-    fix = "compose: `ulimits: {memlock: -1}`; docker run: --ulimit memlock=-1; bare metal: /etc/security/limits.conf"
+    fix = ("make: compose.ib.yaml (added where /dev/infiniband exists, IB=1 forces it); docker run: --ulimit "
+           "memlock=-1; bare metal: /etc/security/limits.conf")
     if has_ib:
         return Check("memlock", "fail", f"{text} with InfiniBand present: NCCL's RDMA cannot pin its buffers", fix)
     return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")

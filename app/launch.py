@@ -22,16 +22,12 @@ import time
 from pathlib import Path
 
 from app import composition
-from app.common import UserError, raise_terminated, say, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, raise_terminated, say, warn
 from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
                            refuse_without_gpus, report)
 from app.runs import latest_step, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
 
-# Variables a launch hands on to its processes (and Ray actors, through `ray start`) and shows in DRY_RUN.
-PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NVSHMEM_",
-                 "VLLM_", "VERL_", "RAY_", "PYTORCH_", "OMP_", "TOKENIZERS_")
-PASS_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH")
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 

@@ -221,24 +221,54 @@ REGISTRY: tuple[Var, ...] = (
     Var("MAX_JOBS", "int", "8", "parallel jobs of the flash-attn build", "flash-attn 编译的并行任务数",
         ("compose",), G_BUILD, minimum=1, passthrough=False),
     # --- make itself: the command line or the shell only -------------------------------------------
-    Var("RUNTIME", "choice", "auto", "auto (docker when a Docker engine answers), docker, local",
-        "auto（检测到 Docker 引擎则用 docker）、docker、local", ("make",), G_MAKE, choices=("auto", "docker", "local"),
+    Var("RUNTIME", "choice", "auto", "auto (docker where an engine answers and the image is on this node, else "
+        "local; it says which), docker, local", "auto（Docker 引擎可用且本节点有镜像时用 docker，否则 local，并说明）、docker、local", ("make",), G_MAKE, choices=("auto", "docker", "local"),
         passthrough=False, make_only=True),
     Var("PYTHON", "text", None, "the interpreter of RUNTIME=local (default .venv/bin/python, else python3)",
         "RUNTIME=local 使用的解释器（默认 .venv/bin/python，否则 python3）", ("make",), G_MAKE, passthrough=False,
         make_only=True),
-    Var("IB", "choice", None, "1: the InfiniBand compose services (default 1 where /dev/infiniband exists)",
-        "1：使用 InfiniBand 版 compose 服务（存在 /dev/infiniband 时默认 1）", ("make",), G_MAKE, choices=("0", "1"),
+    Var("IB", "choice", "auto", "docker: the InfiniBand overlay compose.ib.yaml (auto: where /dev/infiniband exists)",
+        "docker：InfiniBand 覆盖文件 compose.ib.yaml（auto：存在 /dev/infiniband 时）", ("make",), G_MAKE,
+        choices=("auto", "0", "1"),
         passthrough=False, make_only=True),
+    Var("GPU", "choice", "auto", "docker: the GPU overlay compose.gpu.yaml (auto: where the engine has the NVIDIA "
+        "runtime)", "docker：GPU 覆盖文件 compose.gpu.yaml（auto：引擎有 NVIDIA runtime 时）", ("make",), G_MAKE,
+        choices=("auto", "0", "1"), passthrough=False, make_only=True),
+    Var("MOUNTS", "words", None, "docker: more host directories mounted at the same path", "docker：额外按相同路径挂载的目录",
+        ("make",), G_MAKE, passthrough=False, make_only=True),
+    Var("STACK_HOME", "path", None, "docker: the containers' HOME on the host (default ~/.cache/verl-stack/home)",
+        "docker：容器 HOME 在主机上的位置（默认 ~/.cache/verl-stack/home）", ("make",), G_MAKE, passthrough=False,
+        make_only=True),
+    Var("COMPOSE_PROJECT_NAME", "text", None, "docker: compose's project name (default: the checkout's name)",
+        "docker：compose 项目名（默认：仓库目录名）", ("make",), G_MAKE, passthrough=False, make_only=True),
+    Var("FLAVOR", "choice", "gpu", "make build: gpu (the pinned CUDA image) or cpu (tests, laptops)",
+        "make build：gpu（固定的 CUDA 镜像）或 cpu（测试、笔记本）", ("build",), G_BUILD, choices=("gpu", "cpu"),
+        passthrough=False, make_only=True),
+    Var("BASE_IMAGE", "text", None, "make build: the base image (required for cpu; never pulled)",
+        "make build：基础镜像（cpu 必填；从不拉取）", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("BUILDER", "choice", "buildkit", "make build: buildkit or legacy", "make build：buildkit 或 legacy", ("build",),
+        G_BUILD, choices=("buildkit", "legacy"), passthrough=False, make_only=True),
+    Var("SITE_CA", "path", None, "make build: a CA bundle for pip behind a TLS-inspecting proxy (not kept in the image)",
+        "make build：pip 所需的站点 CA（不留在镜像里）", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("WHEELS", "path", None, "make build: a directory of wheels pip may use (e.g. the CPU torch)",
+        "make build：pip 可用的 wheel 目录（如 CPU 版 torch）", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("TORCH_INDEX_URL", "text", None, "make build FLAVOR=cpu: an index with CPU torch wheels",
+        "make build FLAVOR=cpu：含 CPU torch 的索引", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("PIP_INDEX_URL", "text", None, "make build: pip's package index inside the build",
+        "make build：构建中 pip 使用的索引", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("PIP_EXTRA_INDEX_URL", "text", None, "make build: pip's extra index inside the build",
+        "make build：构建中 pip 的额外索引", ("build",), G_BUILD, passthrough=False, make_only=True),
+    Var("BUILD_FILES_PORT", "port", "45871", "make build: the loopback port SITE_CA and WHEELS are served on",
+        "make build：SITE_CA 与 WHEELS 在回环地址上的端口", ("build",), G_BUILD, passthrough=False, make_only=True),
     # --- the app itself --------------------------------------------------------------------------------
     Var("ENV_FILE", "path", ".env", "the dotenv file to read (shell only)", "要读取的 dotenv 文件（仅限 shell 设置）",
         ("all",), G_APP, passthrough=False),
     Var("APP_DEBUG", "flag", "0", "1: a traceback instead of the one-line internal error",
         "1：内部错误时打印完整 traceback", ("all",), G_APP),
     Var("SFT_TRAINER_MODULE", "text", "verl.trainer.sft_trainer", "test hook: the SFT entry module",
-        "测试钩子：SFT 入口模块", ("sft",), G_APP, passthrough=False),
+        "测试钩子：SFT 入口模块", ("sft",), G_APP),
     Var("GRPO_TRAINER_MODULE", "text", "verl.trainer.main_ppo", "test hook: the GRPO entry module",
-        "测试钩子：GRPO 入口模块", ("grpo-head",), G_APP, passthrough=False),
+        "测试钩子：GRPO 入口模块", ("grpo-head",), G_APP),
 )
 BY_NAME: Mapping[str, Var] = MappingProxyType({var.name: var for var in REGISTRY})
 assert len(BY_NAME) == len(REGISTRY), "a variable is registered twice"
@@ -414,13 +444,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
 # --- what the registry renders: compose's list, .env.example, the README tables ----------------------
 
 def passthrough_names() -> list[str]:
-    """The variables compose passes from the shell into every container (its `environment:` list)."""
+    """The variables handed to every container by name (`docker compose run -e NAME`, app.containers)."""
     return [var.name for var in REGISTRY if var.passthrough]
-
-
-def compose_environment() -> str:
-    """compose.yaml's `environment:` list, as it is written there (one name a line, no value)."""
-    return "".join(f"    - {name}\n" for name in passthrough_names())
 
 
 ENV_EXAMPLE_HEAD = """\
@@ -490,20 +515,10 @@ def readme_with_tables(text: str) -> str:
     return text
 
 
-def compose_with_environment(text: str) -> str:
-    """compose.yaml with its `environment:` list replaced by passthrough_names()."""
-    start = text.index("  environment:\n") + len("  environment:\n")
-    end = start
-    while text[end:].startswith("    - "):
-        end = text.index("\n", end) + 1
-    return text[:start] + compose_environment() + text[end:]
-
-
 def write_derived(root: Path = REPO_ROOT) -> list[Path]:
-    """Rewrite README.md's tables, .env.example and compose.yaml's list from the registry."""
+    """Rewrite README.md's tables and .env.example from the registry."""
     changed = []
-    for path, render in ((root / "README.md", readme_with_tables), (root / ".env.example", lambda _: render_env_example()),
-                         (root / "compose.yaml", compose_with_environment)):
+    for path, render in ((root / "README.md", readme_with_tables), (root / ".env.example", lambda _: render_env_example())):
         old = path.read_text(encoding="utf-8")
         new = render(old)
         if new != old:
@@ -523,9 +538,9 @@ def shown(var: Var, value: Value) -> str:
 def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app settings", description="Every variable, its value here and where it "
                        "came from (shell, .env, default).")
-    parser.add_argument("--compose-env", action="store_true", help="print the names compose passes through")
+    parser.add_argument("--compose-env", action="store_true", help="print the names passed into the containers")
     parser.add_argument("--write", action="store_true",
-                        help="rewrite README.md's tables, .env.example and compose.yaml's list from the registry")
+                        help="rewrite README.md's tables and .env.example from the registry")
     args = parser.parse_args(argv)
     if args.compose_env:
         print("\n".join(passthrough_names()))

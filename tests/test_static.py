@@ -55,8 +55,18 @@ def test_dockerfile_base_is_cuda13_ubuntu2404_pinned_by_digest():
     text = (REPO / "Dockerfile").read_text()
     base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M).group(1)
     assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-(cudnn-)?(devel|runtime)-ubuntu24\.04@sha256:[0-9a-f]{64}", base)
-    assert "FROM ${CUDA_IMAGE} AS base" in text
-    assert "python3.12 -m venv" in text
+    # FLAVOR=gpu (the default) builds on it; FLAVOR=cpu on any BASE_IMAGE given at build time
+    assert "ARG BASE_IMAGE=${CUDA_IMAGE}" in text and "FROM ${BASE_IMAGE} AS base" in text
+    assert re.search(r"^ARG FLAVOR=gpu$", text, re.M) and "gpu) python=python3.12;" in text
+
+
+def test_dockerfile_needs_no_frontend_image_so_it_builds_offline():
+    """No `# syntax=` line: BuildKit would fetch that frontend from a registry (and the legacy builder
+    ignores it); every stage is in the one file, the same for both flavours."""
+    text = (REPO / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
+    assert stages == ["base", "deps", "flash-attn", "final"]
 
 
 def test_dockerfile_installs_python_packages_only_from_hashed_locks():
@@ -66,8 +76,10 @@ def test_dockerfile_installs_python_packages_only_from_hashed_locks():
     for line in installs:
         for command in re.findall(r"pip (?:install|wheel)[^&]*", line):
             from_lock = "--require-hashes" in command and "/opt/lock/" in command
+            # FLAVOR=cpu: every version pinned by the CPU suite's freeze
+            constrained = "-c /opt/lock/constraints-dev.txt" in command
             local = "--no-deps" in command and ("/opt/wheels/" in command or command.rstrip().endswith("-e ."))
-            assert from_lock or local, command
+            assert from_lock or constrained or local, command
 
 
 def test_dockerfile_orders_layers_for_cache_and_bakes_no_secret():
@@ -134,7 +146,8 @@ def test_lock_co_resolves_for_cp312_manylinux_with_pip_binary_only():
 # --- compose ------------------------------------------------------------------------------------------
 
 def test_compose_validates_against_the_compose_spec():
-    result = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "compose.yaml"],
+    files = ["compose.yaml", "compose.gpu.yaml", "compose.ib.yaml", "compose.build.yaml"]
+    result = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", *files],
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -149,36 +162,63 @@ def test_compose_has_every_service_the_makefile_runs():
         assert command[:3] == ["python", "-m", "app"], name
 
 
-@pytest.mark.parametrize("name", GPU_SERVICES + [f"{s}-ib" for s in GPU_SERVICES])
-def test_gpu_services_have_what_multinode_needs(name):
+def overlay(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def test_every_service_runs_as_you_on_the_host_network_and_never_pulls():
+    spec = compose()
+    assert "networks" not in spec
+    for name, service in spec["services"].items():
+        assert service["network_mode"] == "host", name  # no bridge network is ever created
+        assert service["pull_policy"] == "never" and "build" not in service, name  # no implicit pull or build
+        assert service["user"].startswith("${UID:?") and ":${GID:?" in service["user"], name
+        assert {"path": ".env", "required": False} in service["env_file"]
+        assert service["working_dir"] == "${PWD}"
+        assert service["environment"] == ["SWANLAB_MODE=${SWANLAB_MODE:-local}"], name  # the rest: app.containers
+        for directory in ["data", "models", "checkpoints"]:  # same absolute path inside as outside
+            assert f"${{PWD}}/{directory}:${{PWD}}/{directory}" in service["volumes"]
+        assert "${PWD}/configs:/opt/verl-stack/configs:ro" in service["volumes"]  # host edits of configs/ run
+        assert not any(".ssh" in volume for volume in service["volumes"])  # added only where ~/.ssh exists
+
+
+@pytest.mark.parametrize("name", GPU_SERVICES)
+def test_gpu_services_have_what_multinode_needs_and_overlays_add_gpus_and_infiniband(name):
     service = compose()["services"][name]
-    assert service["network_mode"] == "host" and service["ipc"] == "host"
-    assert service["ulimits"]["memlock"] == -1 and service["ulimits"]["stack"] >= 64 * 2**20
+    assert service["ipc"] == "host"
+    assert service["ulimits"]["stack"] >= 64 * 2**20 and "memlock" not in service["ulimits"]
     assert int(re.match(r"(\d+)gb", service["shm_size"]).group(1)) >= 16
-    devices = service["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
-    env = env_names(service)
-    assert set(MULTINODE_ENV) <= set(env)
-    assert env["SWANLAB_MODE"] is None  # passed through; the app's default (local) applies when unset
-    assert {"path": ".env", "required": False} in service["env_file"]
-    assert service["working_dir"] == "${PWD}"
-    for directory in ["data", "models", "checkpoints"]:  # same absolute path inside as outside
-        assert f"${{PWD}}/{directory}:${{PWD}}/{directory}" in service["volumes"]
-    if name.endswith("-ib"):
-        assert "/dev/infiniband:/dev/infiniband" in service["devices"] and "IPC_LOCK" in service["cap_add"]
-        assert "infiniband" in service["profiles"]
-    else:
-        assert "devices" not in service
+    assert "deploy" not in service and "devices" not in service  # runs on a node without the NVIDIA runtime
+    gpu = overlay("compose.gpu.yaml")["services"][name]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    ib = overlay("compose.ib.yaml")["services"][name]
+    assert ib["devices"] == ["/dev/infiniband:/dev/infiniband"] and ib["cap_add"] == ["IPC_LOCK"]
+    assert ib["ulimits"] == {"memlock": -1}
+
+
+def test_overlays_only_touch_services_of_compose_yaml_and_the_build_file_builds_on_the_host_network():
+    services = set(compose()["services"])
+    for name in ("compose.gpu.yaml", "compose.ib.yaml"):
+        assert set(overlay(name)["services"]) == set(GPU_SERVICES) <= services
+    build = overlay("compose.build.yaml")["services"]["image"]["build"]
+    assert build["network"] == "host" and build["dockerfile"] == "Dockerfile"
+    for arg in ("FLAVOR", "BASE_IMAGE", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "TORCH_INDEX_URL", "BUILD_FILES_URL"):
+        assert arg in build["args"], arg
 
 
 BUILD_ONLY = {"IMAGE", "FLASH_ATTN_CUDA_ARCHS", "MAX_JOBS"}  # compose interpolation / build args
 
 
-def test_every_service_passes_the_registrys_pass_through_variables():
-    from app.settings import passthrough_names
+def test_every_pass_through_setting_of_the_registry_reaches_the_containers_from_one_list():
+    from app.containers import passed_env, passthrough_names
+    from app.settings import passthrough_names as registry_names
 
-    for name, service in compose()["services"].items():
-        assert list(env_names(service)) == passthrough_names(), name
+    assert set(registry_names()) <= set(passthrough_names())
+    for name in ("RSYNC_RSH", "RAY_AUTH_TOKEN", "MODEL_PATH", "SFT_TRAINER_MODULE", "DEMO_DIR"):
+        assert name in passthrough_names(), name
+    assert passed_env({"CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_GID_INDEX": "3", "NNODES": ""}) == [
+        "CUDA_VISIBLE_DEVICES", "NCCL_IB_GID_INDEX"]  # by prefix; an empty value is unset
 
 
 def test_no_file_sets_the_stale_vllm_attention_backend():
@@ -202,8 +242,9 @@ def test_env_example_has_the_cluster_settings_all_commented_out_and_env_is_ignor
 # --- scripts and the Makefile -------------------------------------------------------------------------
 
 def test_shell_scripts_pass_shellcheck():
-    scripts = sorted(str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.sh"))
-    assert "scripts/lock.sh" in scripts
+    scripts = sorted(str(p.relative_to(REPO)) for p in [*(REPO / "scripts").glob("*.sh"), REPO / "docker" / "site.sh",
+                                                         REPO / ".ci" / "run"])
+    assert "scripts/lock.sh" in scripts and "scripts/offline-base.sh" in scripts
     result = subprocess.run([tool("shellcheck"), *scripts], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -232,26 +273,20 @@ def test_make_n_every_target_is_one_line_into_python_m_app_or_its_compose_servic
         if target == "help":
             continue
         local = make("-n", target, "RUNTIME=local", "PYTHON=python3", "STEP=100", "NODE_RANK=1")
-        docker = make("-n", target, "RUNTIME=docker", "IB=0", "STEP=100", "NODE_RANK=1")
+        docker = make("-n", target, "RUNTIME=docker", "PYTHON=python3", "STEP=100", "NODE_RANK=1")
         for result in (local, docker):
             assert result.returncode == 0, f"make -n {target}: {result.stderr}"
             assert len(result.stdout.strip().splitlines()) == 1, f"make -n {target}:\n{result.stdout}"
         if target in app_commands:
             assert local.stdout.strip() == f"python3 -m app {app_commands[target]}", local.stdout
-            match = re.search(r"docker compose run --rm (\S+) python -m app (.+)$", docker.stdout.strip())
+            match = re.fullmatch(r"python3 -m app\.containers run (\S+) (.+)", docker.stdout.strip())
             assert match and match.group(2) == app_commands[target], docker.stdout
             assert match.group(1) in services
-    compose_text = (REPO / "compose.yaml").read_text()
-    assert all(f"${{{name}" in compose_text for name in BUILD_ONLY)
-    built = make("-n", "build", "RUNTIME=docker")
-    assert "docker compose build sft-runner" in built.stdout and f"PWD={REPO}" in built.stdout
-
-
-def test_make_docker_picks_the_infiniband_variant_with_ib_1():
-    result = make("-n", "grpo-worker", "RUNTIME=docker", "IB=1")
-    assert "run --rm ray-worker-ib python -m app grpo-worker" in result.stdout
-    result = make("-n", "merge", "RUNTIME=docker", "IB=1")
-    assert "run --rm merger python -m app merge" in result.stdout
+    assert "${IMAGE" in (REPO / "compose.yaml").read_text()
+    build_text = (REPO / "compose.build.yaml").read_text()
+    assert all(f"${{{name}" in build_text for name in BUILD_ONLY)
+    built = make("-n", "build", "PYTHON=python3")
+    assert built.stdout.strip() == "python3 -m app.containers build"
 
 
 def test_dotenv_counts_below_environment_and_command_line(tmp_path):
