@@ -98,7 +98,8 @@ def passed_env(environ: dict[str, str]) -> list[str]:
 
 
 def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    # stdout: which runtime was chosen is information; stderr keeps the one-line error contract
+    print(message, flush=True)
 
 
 # --- the engine ---------------------------------------------------------------------------------------

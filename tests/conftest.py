@@ -4,6 +4,7 @@ built from a config (no hub) and, for the torchrun test, a tiny CPU trainer modu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def run_app(*args: str, env: dict | None = None, cwd: Path | None = None, timeou
 def without_make_summary(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """make adds its own `make: *** [Makefile:N: target] Error 2` after a failing recipe: drop that frame,
     what is left is what the app said."""
-    kept = [line for line in result.stderr.splitlines() if not line.startswith("make: ***")]
+    # `make: ***`, or `make[1]: ***` when the suite itself runs under make (`make test`)
+    kept = [line for line in result.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", line)]
     result.stderr = "\n".join(kept) + ("\n" if kept else "")
     return result
 

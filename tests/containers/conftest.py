@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -187,7 +188,7 @@ def data_dir(shared_root) -> Path:
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     """stderr without make's own summary line and the runtime notes."""
     return [line for line in result.stderr.splitlines()
-            if line.strip() and not line.startswith("make: ***") and not line.startswith(("runtime:", "$ "))]
+            if line.strip() and not re.match(r"make(\[\d+\])?: \*\*\*", line) and not line.startswith(("runtime:", "$ "))]
 
 
 def plan_line(result: subprocess.CompletedProcess) -> str:

@@ -53,7 +53,7 @@ def test_prep_writes_a_data_dir_outside_the_checkout_as_the_invoking_user(stack,
     data = owned_dir(outside / "elsewhere") / "data"  # missing: created as the user, then mounted
     result = stack.make("prep", f"DATA_DIR={data}", as_user=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "runtime: docker (image" in result.stderr
+    assert "runtime: docker (image" in result.stdout
     for sub in ("gsm8k", "gsm8k_sft"):
         for split in ("train", "test"):
             assert (data / sub / f"{split}.parquet").stat().st_size > 1000, (sub, split)
@@ -135,7 +135,7 @@ def test_missing_image_is_one_line_and_nothing_is_pulled_or_built(stack):
 def test_runtime_auto_without_the_image_runs_locally_and_says_why(stack, outside):
     result = stack.make("prep", f"DATA_DIR={outside / 'local-data'}", RUNTIME="auto", IMAGE="verl-stack:absent")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "runtime: local (image verl-stack:absent is not on this node" in result.stderr
+    assert "runtime: local (image verl-stack:absent is not on this node" in result.stdout
     assert (outside / "local-data" / "gsm8k" / "train.parquet").is_file()
 
 
