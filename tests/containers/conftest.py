@@ -192,7 +192,8 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
 
 
 def plan_line(result: subprocess.CompletedProcess) -> str:
-    return next(line for line in result.stderr.splitlines() if line.startswith("$ docker compose "))
+    # the docker side prints its plan on stdout (app.containers.say), before the app's own output
+    return next(line for line in result.stdout.splitlines() if line.startswith("$ docker compose "))
 
 
 def read_json(path: Path):
