@@ -17,6 +17,7 @@ batch: tokens packed into one micro batch).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -85,6 +86,7 @@ def model_shape(model_path: Path | None) -> ModelShape | None:
         return None
 
 
+@functools.cache  # asked by both perf.overrides and check_budgets in one preflight: one nvidia-smi call
 def gpu_memory_bytes() -> int | None:
     """Memory of the smallest GPU this node sees (nvidia-smi answers in milliseconds; torch would take
     seconds to import); None where it cannot be read."""
