@@ -12,8 +12,9 @@ reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/, grpo/
 (run, with report/ plots), grpo-model/, eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
 A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped.
-Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 40), FRESH=1 (rerun every stage),
-DRY_RUN=1 (print the plan).
+Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 40), DEMO_UNTIL=<stage> (stop after
+it, e.g. eval-sft: the SFT half; a rerun goes on from there), FRESH=1 (rerun every stage), DRY_RUN=1 (print
+the plan).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ GRPO_ARGS = [
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",
+    # verl starts 8 agent-loop actors by default, each importing vLLM: 2 serve 1,024 short requests a step
+    "actor_rollout_ref.rollout.agent.num_workers=2",
     "trainer.test_freq=-1",
     "trainer.logger=[console,file]",
 ]
@@ -170,14 +173,16 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         return 0
     if argv:
         raise UserError(f"demo takes no arguments (got {' '.join(argv)}): use DEMO_DIR, DEMO_SFT_STEPS, "
-                        "DEMO_GRPO_STEPS")
+                        "DEMO_GRPO_STEPS, DEMO_UNTIL")
     root, stages = plan(settings)
     if settings["DRY_RUN"]:
         say(f"demo plan (everything under {root}):")
         for i, stage in enumerate(stages, 1):
-            settings = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
+            shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
             say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}")
-            say(f"      {settings + ' ' if settings else ''}python -m app {' '.join(stage.argv[3:])}")
+            say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
+        if settings["DEMO_UNTIL"]:
+            say(f"  (DEMO_UNTIL={settings['DEMO_UNTIL']}: stops after that stage; a rerun goes on from there)")
         say(f"  then check: GRPO reward mean rises; A1 > A0 by more than {Z:g} standard errors on the "
             f">= {MIN_TEST_ITEMS} test items")
         return 0
@@ -185,7 +190,6 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         raise UserError("demo needs a GPU: no CUDA device is visible here; run `make demo` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")
 
-    started = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     done = root / "stages"
     if settings["FRESH"] and done.is_dir():
@@ -199,13 +203,17 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         if _finished(marker, record):
             seconds[stage.name] = json.loads(marker.read_text())["seconds"]
             say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
-            continue
-        t = time.monotonic()
-        run_stage(stage, settings)
-        seconds[stage.name] = round(time.monotonic() - t, 1)
-        with atomic_path(marker) as tmp:
-            tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name]}) + "\n")
-        say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
+        else:
+            t = time.monotonic()
+            run_stage(stage, settings)
+            seconds[stage.name] = round(time.monotonic() - t, 1)
+            with atomic_path(marker) as tmp:
+                tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name]}) + "\n")
+            say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
+        if stage.name == settings["DEMO_UNTIL"]:
+            say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
+                f"goes on from here ({sum(seconds.values()):.0f}s of stages so far)")
+            return 0
     losses = read_losses(root / "sft")
     rewards = read_rewards(root / "grpo")
     first, last = reward_rose(rewards)
@@ -216,7 +224,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         "passed": True, "a0": a0, "a1": a1, "test_items": n, "margin": margin, "z": Z,
         "sft_loss_first": losses[0][1], "sft_loss_last": losses[-1][1],
         "reward_first_quarter": first, "reward_last_quarter": last, "reward_per_step": rewards,
-        "seconds": seconds, "total_seconds": round(time.monotonic() - started, 1),
+        "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over resumed runs too
         "report": str(root / "grpo" / "report"),
     }
     with atomic_path(root / "demo.json") as tmp:

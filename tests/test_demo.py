@@ -181,3 +181,44 @@ def test_a_rerun_skips_stages_that_finished_with_the_same_settings(tmp_path, mon
     assert demo._finished(marker, record)
     changed = {"argv": record["argv"], "env": {**stage.env, "DATA_DIR": str(tmp_path / "other")}}
     assert not demo._finished(marker, changed)  # other settings: the stage runs again
+
+
+def test_demo_until_names_exactly_the_stages_of_the_plan():
+    from app import demo
+    from app.settings import REGISTRY, load
+
+    _, stages = demo.plan(load())
+    until = next(var for var in REGISTRY if var.name == "DEMO_UNTIL")
+    # every stage but the last (stopping after the report is the whole demo)
+    assert list(until.choices) == [s.name for s in stages][:-1]
+
+
+def test_demo_until_stops_after_that_stage_and_a_rerun_goes_on(tmp_path, monkeypatch, capsys):
+    """Stages marked finished (as an earlier run leaves them) are skipped; DEMO_UNTIL=eval-sft ends the run
+    there with exit 0, before the GRPO half; without it the same call goes on to the next stage."""
+    from app import demo
+    from app.settings import load
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage runs here
+    _, stages = demo.plan(load())
+    for stage in stages[:5]:  # prep .. eval-sft
+        marker = tmp_path / "stages" / f"{stage.name}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"argv": stage.argv[1:], "env": stage.env, "seconds": 2.0}))
+    monkeypatch.setenv("DEMO_UNTIL", "eval-sft")
+    assert demo.main("demo", [], load()) == 0
+    out = capsys.readouterr().out
+    assert "demo stopped after eval-sft" in out and "10s of stages" in out and "grpo:" not in out
+    ran = []
+    monkeypatch.setattr(demo, "run_stage", lambda stage, settings: ran.append(stage.name))
+    monkeypatch.setenv("DEMO_UNTIL", "grpo")
+    assert demo.main("demo", [], load()) == 0
+    assert ran == ["grpo"] and (tmp_path / "stages" / "grpo.json").is_file()
+    assert "demo stopped after grpo" in capsys.readouterr().out
+
+
+def test_demo_until_refuses_a_stage_it_does_not_have(tmp_path):
+    line = assert_one_line_error(run_app("demo", env={"DEMO_DIR": str(tmp_path), "DEMO_UNTIL": "eval",
+                                                      "DRY_RUN": "1"}))
+    assert "DEMO_UNTIL" in line and "eval-sft" in line
