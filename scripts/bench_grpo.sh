@@ -3,7 +3,7 @@
 # against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
 # per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
 #
-#   scripts/bench_grpo.sh [CONFIG...]       (default: stock profile; needs vLLM, see docs/gpu-runs.md)
+#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-inductor; default: stock profile; needs vLLM)
 #
 # Settings (environment):
 #   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
@@ -51,6 +51,10 @@ for name in "${configs[@]}"; do
     profile) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
                   NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
                   ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
+    # the profile with verl's own vLLM compilation (Inductor + FULL_AND_PIECEWISE graphs, compiled at every start)
+    profile-inductor) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
+                  NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile-inductor" FRESH=1
+                  ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4)) actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={}") ;;
     *) echo "unknown config $name" >&2; exit 2 ;;
   esac
   log="$BENCH_DIR/$name.log"
