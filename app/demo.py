@@ -59,8 +59,6 @@ GRPO_ARGS = [
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",
-    # verl starts 8 agent-loop actors by default, each importing vLLM: 2 serve 1,024 short requests a step
-    "actor_rollout_ref.rollout.agent.num_workers=2",
     "trainer.test_freq=-1",
     "trainer.logger=[console,file]",
 ]

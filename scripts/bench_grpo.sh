@@ -3,7 +3,7 @@
 # against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
 # per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
 #
-#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-inductor; default: stock profile; needs vLLM)
+#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-v0, profile-fused; default: stock profile)
 #
 # Settings (environment):
 #   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
@@ -50,11 +50,17 @@ for name in "${configs[@]}"; do
                   trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
     profile) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
                   NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
-                  ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
-    # the profile with verl's own vLLM compilation (Inductor + FULL_AND_PIECEWISE graphs, compiled at every start)
-    profile-inductor) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
-                  NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile-inductor" FRESH=1
-                  ARGS="${shape[*]} actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4)) actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={}") ;;
+                  ARGS="${shape[*]} trainer.save_freq=100000 actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
+    # candidates on top of the profile, one change each (docs/benchmarks.md says which were measured)
+    profile-*) extra=""
+             case $name in
+               profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
+               profile-fused) extra=actor_rollout_ref.model.use_fused_kernels=True ;;  # triton log-prob, no logits
+               *) echo "unknown config $name" >&2; exit 2 ;;
+             esac
+             cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
+                  NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-$name" FRESH=1
+                  ARGS="${shape[*]} trainer.save_freq=100000 actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4)) $extra") ;;
     *) echo "unknown config $name" >&2; exit 2 ;;
   esac
   log="$BENCH_DIR/$name.log"

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
@@ -51,6 +52,18 @@ def main() -> int:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stopped = "exited"
+
+    def end_run(reason: str) -> None:  # the deadline fires even while the command prints nothing
+        nonlocal stopped
+        if proc.poll() is None:
+            stopped = reason
+            os.killpg(proc.pid, signal.SIGTERM)  # our own session: torchrun / Ray and their workers
+
+    deadline = threading.Timer(args.timeout, end_run, ("timeout",))
+    deadline.daemon = True
+    deadline.start()
+    # a SIGTERM from outside (the caller's own time limit) still gets the summary of the steps so far
+    signal.signal(signal.SIGTERM, lambda *_: end_run("terminated"))
     with open(args.log, "w", encoding="utf-8") as log:
         for line in proc.stdout:
             now = time.monotonic() - start
@@ -62,13 +75,11 @@ def main() -> int:
                 if int(match.group(1)) >= args.steps:
                     stopped = "stopped after the last timed step"
                     break
-            if now > args.timeout:
-                stopped = "timeout"
-                break
+    deadline.cancel()
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)  # our own session: torchrun and its workers
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
