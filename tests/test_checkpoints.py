@@ -8,13 +8,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))  # loopback_sshd
 from conftest import REPO, assert_one_line_error, run_app
 
 
@@ -261,56 +262,18 @@ def split_by_node(run: Path, dest: Path, world_size: int, ranks_per_node: int) -
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    """A real OpenSSH server for this user on 127.0.0.1 and 127.0.0.2 (two loopback "nodes"), with a
-    throwaway host key, client key and config; yields the RSYNC_RSH that reaches it (gather honours it)."""
-    sbin = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    server, keygen = shutil.which("sshd", path=sbin), shutil.which("ssh-keygen")
-    needed = (("sshd", server, "openssh-server"), ("ssh-keygen", keygen, "openssh-client"),
-              ("ssh", shutil.which("ssh"), "openssh-client"), ("rsync", shutil.which("rsync"), "rsync"))
-    for tool, found, package in needed:
-        if not found:  # a failure, not a skip: without it gather's ssh path goes untested (.ci/run installs it)
-            pytest.fail(f"{tool} not found: install the Debian package {package} "
-                        "(apt-get install -y openssh-server rsync)")
-    root = tmp_path_factory.mktemp("sshd")
-    for key in ("host_key", "client_key"):
-        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / key)], check=True)
-    shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    if os.geteuid() == 0:
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir; fresh containers lack it
-    with socket.socket() as probe:  # a port free now; sshd takes it on both addresses below
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = root / "sshd.log"
-    options = {"Port": port, "ListenAddress": ["127.0.0.1", "127.0.0.2"], "HostKey": root / "host_key",
-               "AuthorizedKeysFile": root / "authorized_keys", "PidFile": root / "sshd.pid", "UsePAM": "no",
-               "StrictModes": "no", "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
-               "PermitRootLogin": "prohibit-password", "LogLevel": "VERBOSE"}
-    cmd = [server, "-D", "-f", os.devnull, "-E", str(log)]  # -f /dev/null: none of this machine's sshd_config
-    for name, value in options.items():
-        for one in value if isinstance(value, list) else [value]:
-            cmd += ["-o", f"{name}={one}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        def listening() -> bool:  # one line per address once it accepts connections
-            return log.is_file() and log.read_text().count("Server listening on") >= 2
+    """A real OpenSSH server for this user on 127.0.0.1 and 127.0.0.2 (two loopback "nodes"); yields the
+    RSYNC_RSH that reaches it (gather honours it), its port and log."""
+    from loopback_sshd import loopback_sshd, missing_tools
 
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and not listening() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if proc.poll() is not None or not listening():
-            errors = proc.stderr.read() if proc.poll() is not None else ""
-            pytest.fail(f"sshd did not start: {errors}{log.read_text() if log.is_file() else ''}")
-        yield {"RSYNC_RSH": f"ssh -F {os.devnull} -p {port} -i {root / 'client_key'} -o StrictHostKeyChecking=no "
-                            f"-o UserKnownHostsFile={os.devnull} -o BatchMode=yes -o IdentitiesOnly=yes "
-                            "-o LogLevel=ERROR",
-               "port": port, "log": log}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    missing = missing_tools()
+    if missing:  # a failure, not a skip: without them gather's ssh path goes untested (.ci/run installs them)
+        pytest.fail(f"install the Debian packages {' '.join(missing)} (apt-get install -y {' '.join(missing)})")
+    try:
+        with loopback_sshd(tmp_path_factory.mktemp("sshd")) as server:
+            yield server
+    except RuntimeError as error:
+        pytest.fail(str(error))
 
 
 def test_gather_over_ssh_from_two_nodes_into_a_fresh_dir_then_merge_is_exact(runs, tiny_model_dir, sshd, tmp_path):

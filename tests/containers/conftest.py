@@ -9,11 +9,9 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -204,42 +202,11 @@ def read_json(path: Path):
 def sshd(outside):
     """A real OpenSSH server on 127.0.0.1 and 127.0.0.2 (two loopback "nodes") that lets in `root` with a
     throwaway client key; yields its port, host public key, client key pair and log."""
-    sbin = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    server, keygen = shutil.which("sshd", path=sbin), shutil.which("ssh-keygen")
-    if not server or not keygen:
-        pytest.fail("sshd / ssh-keygen not found: apt-get install -y openssh-server (.ci/run installs it)")
-    root = outside / "sshd"
-    root.mkdir()
-    for key in ("host_key", "client_key"):
-        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / key)], check=True)
-    shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = root / "sshd.log"
-    options = {"Port": port, "ListenAddress": ["127.0.0.1", "127.0.0.2"], "HostKey": root / "host_key",
-               "AuthorizedKeysFile": root / "authorized_keys", "PidFile": root / "sshd.pid", "UsePAM": "no",
-               "StrictModes": "no", "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
-               "PermitRootLogin": "prohibit-password", "LogLevel": "VERBOSE"}
-    cmd = [server, "-D", "-f", os.devnull, "-E", str(log)]
-    for name, value in options.items():
-        for one in value if isinstance(value, list) else [value]:
-            cmd += ["-o", f"{name}={one}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sys.path.insert(0, str(FIXTURES))
+    from loopback_sshd import loopback_sshd
+
     try:
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline and not (
-                log.is_file() and log.read_text().count("Server listening on") >= 2):
-            time.sleep(0.05)
-        if proc.poll() is not None or log.read_text().count("Server listening on") < 2:
-            pytest.fail(f"sshd did not start: {log.read_text() if log.is_file() else ''}")
-        yield {"port": port, "host_pub": (root / "host_key.pub").read_text().split()[:2],
-               "key": root / "client_key", "log": log}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        with loopback_sshd(outside / "sshd") as server:
+            yield server
+    except RuntimeError as error:
+        pytest.fail(str(error))
