@@ -11,7 +11,8 @@ reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy
 
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/, grpo/
 (run, with report/ plots), grpo-model/, eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
-A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped.
+A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped, and a
+GRPO stage that was cut short continues from its last checkpoint (one every 10 steps).
 Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 40), DEMO_UNTIL=<stage> (stop after
 it, e.g. eval-sft: the SFT half; a rerun goes on from there), FRESH=1 (rerun every stage), DRY_RUN=1 (print
 the plan).
@@ -19,6 +20,7 @@ the plan).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -63,6 +65,11 @@ GRPO_ARGS = [
     "trainer.logger=[console,file]",
 ]
 
+GRPO_SAVE_EVERY = 10
+# Stages that a rerun continues from their last checkpoint where an earlier demo started them with the same
+# settings (GRPO: 34 s a step of the tiny model on 1xH200, docs/gpu-runs.md run 9); the others are minutes.
+RESUMABLE = ("grpo",)
+
 EVAL_ENV = {"EVAL_BACKEND": "hf", "MAX_NEW_TOKENS": "16", "EVAL_BATCH": "500"}
 MIN_TEST_ITEMS = 500
 Z = 3.0  # standard errors: one-sided p of about 0.0013 under "GRPO changed nothing"
@@ -76,7 +83,9 @@ def plan(settings: Settings) -> tuple[Path, list[Stage]]:
     app = [sys.executable, "-m", "app"]
     one_gpu = {"NNODES": "1", "NODE_RANK": "0", "GPUS_PER_NODE": "1", "FRESH": "1"}
     sft_args = SFT_ARGS + [f"trainer.total_training_steps={sft_steps}", f"trainer.save_freq={sft_steps}"]
-    grpo_args = GRPO_ARGS + [f"trainer.total_training_steps={grpo_steps}", f"trainer.save_freq={grpo_steps}"]
+    # a checkpoint every 10 steps (and at the last), so that a cut-short GRPO stage resumes instead of restarting
+    grpo_args = GRPO_ARGS + [f"trainer.total_training_steps={grpo_steps}",
+                             f"trainer.save_freq={min(GRPO_SAVE_EVERY, grpo_steps)}"]
     test = str(data / "arith" / "test.parquet")
     stages = [
         Stage("prep", app + ["prep", "arith"], {"DATA_DIR": str(data)}, "the arith task -> verl parquet"),
@@ -202,8 +211,16 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
             seconds[stage.name] = json.loads(marker.read_text())["seconds"]
             say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
         else:
+            started = done / f"{stage.name}.started.json"
+            if stage.name in RESUMABLE and _finished(started, record):
+                # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
+                say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
+                stage = dataclasses.replace(stage, env={**stage.env, "FRESH": "0"})
+            elif stage.name in RESUMABLE:
+                with atomic_path(started) as tmp:
+                    tmp.write_text(json.dumps(record) + "\n")
             t = time.monotonic()
-            run_stage(stage, settings)
+            run_stage(stage, settings, "demo")
             seconds[stage.name] = round(time.monotonic() - t, 1)
             with atomic_path(marker) as tmp:
                 tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name]}) + "\n")

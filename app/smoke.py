@@ -232,12 +232,12 @@ def first_test_prompt(data: Path) -> str:
 
 # --- the command ------------------------------------------------------------------------------------
 
-def run_stage(stage: Stage, settings: Settings) -> None:
+def run_stage(stage: Stage, settings: Settings, command: str = "smoke") -> None:
     started = time.monotonic()
     result = subprocess.run(stage.argv, env=child_env(stage, settings), cwd=os.getcwd())
     if result.returncode != 0:
         settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in stage.env.items())
-        raise UserError(f"smoke stage '{stage.name}' failed (exit {result.returncode}) after "
+        raise UserError(f"{command} stage '{stage.name}' failed (exit {result.returncode}) after "
                         f"{time.monotonic() - started:.0f}s: read its output above; rerun it alone with "
                         f"{settings + ' ' if settings else ''}python -m app {shlex.join(stage.argv[3:])}")
 

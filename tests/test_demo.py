@@ -211,7 +211,7 @@ def test_demo_until_stops_after_that_stage_and_a_rerun_goes_on(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "demo stopped after eval-sft" in out and "10s of stages" in out and "grpo:" not in out
     ran = []
-    monkeypatch.setattr(demo, "run_stage", lambda stage, settings: ran.append(stage.name))
+    monkeypatch.setattr(demo, "run_stage", lambda stage, settings, command: ran.append(stage.name))
     monkeypatch.setenv("DEMO_UNTIL", "grpo")
     assert demo.main("demo", [], load()) == 0
     assert ran == ["grpo"] and (tmp_path / "stages" / "grpo.json").is_file()
@@ -222,3 +222,41 @@ def test_demo_until_refuses_a_stage_it_does_not_have(tmp_path):
     line = assert_one_line_error(run_app("demo", env={"DEMO_DIR": str(tmp_path), "DEMO_UNTIL": "eval",
                                                       "DRY_RUN": "1"}))
     assert "DEMO_UNTIL" in line and "eval-sft" in line
+
+
+def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tmp_path, monkeypatch, capsys):
+    """The GRPO stage runs with FRESH=1 the first time; if it dies (a killed job, a lost machine), the next
+    demo with the same settings runs it with FRESH=0, so verl resumes from the last checkpoint (one every 10
+    steps); changed settings start the run over."""
+    from app import demo
+    from app.common import UserError
+    from app.settings import load
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("DEMO_UNTIL", "grpo")
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage really runs here
+    _, stages = demo.plan(load())
+    grpo = next(s for s in stages if s.name == "grpo")
+    assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=40" in grpo.env["ARGS"]
+    for stage in stages[:5]:  # prep .. eval-sft, as an earlier run leaves them
+        marker = tmp_path / "stages" / f"{stage.name}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"argv": stage.argv[1:], "env": stage.env, "seconds": 1.0}))
+    fresh = []
+
+    def killed(stage, settings, command):
+        fresh.append(stage.env["FRESH"])
+        raise UserError("demo stage 'grpo' failed (exit 143)")
+
+    monkeypatch.setattr(demo, "run_stage", killed)
+    with pytest.raises(UserError):
+        demo.main("demo", [], load())
+    with pytest.raises(UserError):
+        demo.main("demo", [], load())
+    assert fresh == ["1", "0"]
+    assert "resuming the run an earlier demo started" in capsys.readouterr().out
+    monkeypatch.setenv("DEMO_GRPO_STEPS", "20")  # other settings: a new run, the old one moved aside by FRESH=1
+    with pytest.raises(UserError):
+        demo.main("demo", [], load())
+    assert fresh == ["1", "0", "1"]
+    assert not (tmp_path / "stages" / "grpo.json").exists()  # never marked done
