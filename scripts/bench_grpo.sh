@@ -48,12 +48,9 @@ for name in "${configs[@]}"; do
   case $name in
     stock)   cmd=("$PYTHON" -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
                   trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
-    profile) cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
-                  NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
-                  ARGS="${shape[*]} trainer.save_freq=100000 actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4))") ;;
-    # candidates on top of the profile, one change each (docs/benchmarks.md says which were measured)
-    profile-*) extra=""
-             case $name in
+    # the profile (`make grpo-head` as shipped), and candidates on top of it, one change each
+    profile|profile-*) case $name in
+               profile) extra="" ;;
                profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
                profile-fused) extra=actor_rollout_ref.model.use_fused_kernels=True ;;  # triton log-prob, no logits
                *) echo "unknown config $name" >&2; exit 2 ;;

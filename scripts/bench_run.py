@@ -77,7 +77,7 @@ def main() -> int:
                     break
     deadline.cancel()
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # our own session: torchrun and its workers
+        end_run(stopped)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
