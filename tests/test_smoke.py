@@ -9,9 +9,10 @@ from conftest import assert_one_line_error, run_app
 from app.common import UserError
 
 
-def test_smoke_without_gpu_stops_with_one_line_and_writes_nothing(tmp_path):
-    root = tmp_path / "smoke"
-    line = assert_one_line_error(run_app("smoke", env={"SMOKE_DIR": str(root), "CUDA_VISIBLE_DEVICES": ""}))
+@pytest.mark.parametrize("command, dir_var", [("smoke", "SMOKE_DIR"), ("demo", "DEMO_DIR")])
+def test_smoke_and_demo_without_gpu_stop_with_one_line_and_write_nothing(tmp_path, command, dir_var):
+    root = tmp_path / command
+    line = assert_one_line_error(run_app(command, env={dir_var: str(root), "CUDA_VISIBLE_DEVICES": ""}))
     assert "needs a GPU" in line and "DRY_RUN=1" in line
     assert not root.exists()
 

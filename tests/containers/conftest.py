@@ -132,14 +132,19 @@ class Stack:
             subprocess.run(["docker", "rm", "-f", *ids], capture_output=True)
 
 
-@pytest.fixture
-def outside():
-    """A directory outside the checkout, reachable by USER_UID (pytest's own tmp is root-only)."""
-    root = Path(tempfile.mkdtemp(prefix="vstest-"))
+def readable_tempdir(prefix: str):
+    """A directory outside the checkout, reachable by USER_UID (pytest's own tmp is root-only), with the
+    roothome/ the containers get as HOME; removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     root.chmod(0o755)
     (root / "roothome").mkdir()
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def outside():
+    yield from readable_tempdir("vstest-")
 
 
 @pytest.fixture
@@ -157,11 +162,7 @@ def owned_dir(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_root():
-    root = Path(tempfile.mkdtemp(prefix="vstest-shared-"))
-    root.chmod(0o755)
-    (root / "roothome").mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    yield from readable_tempdir("vstest-shared-")
 
 
 @pytest.fixture(scope="session")
