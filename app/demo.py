@@ -47,17 +47,18 @@ SFT_ARGS = [
     "trainer.test_freq=-1",
 ]
 
-# GRPO from the SFT model: 128 prompts x 8 samples a step, two updates per step, an lr for a tiny model, short
+# GRPO from the SFT model: 64 prompts x 8 samples a step (a step's rollout time follows its sample count:
+# 8 s for 1,024 on 1xH200, docs/gpu-runs.md run 9), two updates per step, an lr for a tiny model, short
 # responses (`#### <sum>` is a few tokens), no prompt-length filter (every arith prompt is 48-50 tokens with the tiny tokenizer),
 # and vLLM in eager mode (its compile and CUDA-graph capture cost minutes that a tiny model never recovers).
 GRPO_ARGS = [
-    "data.train_batch_size=128",
+    "data.train_batch_size=64",
     "data.max_prompt_length=64",
     "data.max_response_length=16",
     "data.filter_overlong_prompts=False",
     "data.val_max_samples=64",
     "actor_rollout_ref.rollout.n=8",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=32",
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",

@@ -348,6 +348,16 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
             raise UserError(f"trainer.logger has {backend}, but {package} is not installed here (verl imports it at "
                             f"start): install it, or drop it, e.g. ARGS='trainer.logger=[console,file]'")
 
+    model = MODEL_KEY[job]
+    if sel(f"{model}.use_fused_kernels"):
+        notes.append(f"log-probs: verl's fused {sel(f'{model}.fused_kernel_options.impl_backend')} kernel "
+                     "(no tokens x vocabulary logits)")
+    elif importlib.util.find_spec("flash_attn") is None:
+        # verl 0.9.1's fallback (logprobs_from_logits_v2) loops over the tokens in Python: measured on 1xH200
+        warnings.append(f"{model}.use_fused_kernels=false and flash-attn is not installed: verl computes the "
+                        "log-probs one token at a time (about 5k tokens/s on 1xH200, whatever the model); "
+                        "keep the profile's true")
+
     save_freq = sel("trainer.save_freq")
     if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
         raise UserError(f"trainer.save_freq={save_freq} writes no checkpoint (verl's default -1): "

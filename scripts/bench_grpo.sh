@@ -3,7 +3,7 @@
 # against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
 # per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
 #
-#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-v0, profile-fused; default: stock profile)
+#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-v0, profile-unfused; default: stock profile)
 #
 # Settings (environment):
 #   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
@@ -52,7 +52,7 @@ for name in "${configs[@]}"; do
     profile|profile-*) case $name in
                profile) extra="" ;;
                profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
-               profile-fused) extra=actor_rollout_ref.model.use_fused_kernels=True ;;  # triton log-prob, no logits
+               profile-unfused) extra=actor_rollout_ref.model.use_fused_kernels=False ;;  # verl's per-token log-probs
                *) echo "unknown config $name" >&2; exit 2 ;;
              esac
              cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"

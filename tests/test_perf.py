@@ -3,6 +3,7 @@ config.json as app.tiny writes them), and preflight's refusal of a budget that c
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,61 @@ def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan):
     plan = _preflight_sft()
     with pytest.raises(UserError, match="does not fit 1 GPU"):
         perf.check_budgets(plan.launch, plan.config, gpu=16 * GIB)
+
+
+# --- log-probs: verl's fused kernel, not its per-token fallback ------------------------------------------
+@pytest.mark.parametrize("job", ["sft", "grpo"])
+def test_shipped_profiles_take_log_probs_from_verls_fused_kernel(launch_env, job):
+    from test_config import plan_of
+
+    plan = plan_of(job)
+    assert any(note.startswith("log-probs: verl's fused triton kernel") for note in plan.notes)
+    assert not any("one token at a time" in w for w in plan.warnings)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                    reason="with flash-attn installed verl takes its cross-entropy kernel instead: nothing to warn")
+def test_preflight_warns_that_turning_fused_kernels_off_without_flash_attn_is_per_token(launch_env, monkeypatch):
+    from test_config import plan_of
+
+    monkeypatch.setenv("ARGS", "actor_rollout_ref.model.use_fused_kernels=false")
+    plan = plan_of("grpo")
+    assert any("one token at a time" in w and "keep the profile's true" in w for w in plan.warnings)
+    assert not any(note.startswith("log-probs:") for note in plan.notes)
+
+
+def test_verls_fused_log_probs_match_the_plain_ones_on_the_pinned_transformers():
+    """The profiles rely on verl's patched forward (use_fused_kernels) working with the pinned transformers:
+    on a packed row of three samples its log-probs and gradients equal log_softmax of the plain logits.
+    The torch backend runs here; the triton one (the profiles') shares the patch and needs a GPU."""
+    import torch
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    from app.tiny import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny").float()
+    model.config._attn_implementation = "sdpa"
+    lengths = [7, 12, 5]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)  # verl's packed (remove-padding) row
+    labels = torch.roll(ids, -1, dims=1)
+
+    logits = model(input_ids=ids, position_ids=positions).logits.squeeze(0)
+    plain = torch.log_softmax(logits, -1).gather(-1, labels.squeeze(0).unsqueeze(-1)).squeeze(-1)
+    plain.sum().backward()
+    plain_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+
+    model_class, forward = type(model), type(model).forward
+    try:  # verl patches the class: put it back for the rest of this process
+        apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend="torch")
+        assert model_class.forward is not forward
+        out = model(input_ids=ids, position_ids=positions, return_dict=True, temperature=1.0, shift_labels=labels)
+        fused = out.log_probs.squeeze(0)
+        fused.sum().backward()
+    finally:
+        model_class.forward = forward
+    assert fused.shape == plain.shape
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.lm_head.weight.grad, plain_grad, atol=1e-5, rtol=1e-4)
