@@ -71,7 +71,9 @@ GRPO_SAVE_EVERY = 10
 # settings (GRPO: 34 s a step of the tiny model on 1xH200, docs/gpu-runs.md run 9); the others are minutes.
 RESUMABLE = ("grpo",)
 
-EVAL_ENV = {"EVAL_BACKEND": "hf", "MAX_NEW_TOKENS": "16", "EVAL_BATCH": "500"}
+# LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
+# same items (a LIMIT left in a shell once cut A1 to 585 rows against A0's 1,000: docs/gpu-runs.md run 11)
+EVAL_ENV = {"EVAL_BACKEND": "hf", "MAX_NEW_TOKENS": "16", "EVAL_BATCH": "500", "LIMIT": ""}
 MIN_TEST_ITEMS = 500
 Z = 3.0  # standard errors: one-sided p of about 0.0013 under "GRPO changed nothing"
 
@@ -142,6 +144,14 @@ def accuracy_margin(a0: float, a1: float, n: int) -> float:
     """How far A1 must exceed A0 to count as more than noise: Z standard errors of the difference of two
     accuracies measured on n items each (binomial; conservative for the paired items here)."""
     return Z * math.sqrt(max(a0 * (1 - a0) + a1 * (1 - a1), 1.0 / n) / n)
+
+
+def scored_items(sft: dict, grpo: dict) -> int:
+    """How many test items A0 and A1 share; raises unless both evals scored the same rows of the same file."""
+    if (sft["data"], sft["rows"], sft.get("limit")) != (grpo["data"], grpo["rows"], grpo.get("limit")):
+        raise UserError(f"A0 and A1 were scored on different rows ({sft['rows']} of {sft['data']} vs "
+                        f"{grpo['rows']} of {grpo['data']}): rerun `make demo` (it evaluates the whole test split)")
+    return sft["rows"]
 
 
 def accuracy_improved(a0: float, a1: float, n: int) -> float:
@@ -234,7 +244,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     rewards = read_rewards(root / "grpo")
     first, last = reward_rose(rewards)
     sft, grpo = read_summary(root / "eval-sft"), read_summary(root / "eval-grpo")
-    a0, a1, n = sft["accuracy"], grpo["accuracy"], min(sft["rows"], grpo["rows"])
+    a0, a1, n = sft["accuracy"], grpo["accuracy"], scored_items(sft, grpo)
     margin = accuracy_improved(a0, a1, n)
     figures = {
         "passed": True, "a0": a0, "a1": a1, "test_items": n, "margin": margin, "z": Z,

@@ -85,6 +85,7 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
     monkeypatch.setenv("DEMO_DIR", str(tmp_path / "demo"))
     monkeypatch.setenv("DEMO_SFT_STEPS", "4")
     monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
+    monkeypatch.setenv("LIMIT", "10")  # left in the caller's shell: the demo's evals still score every row
     settings = load()
     root, stages = demo.plan(settings)
     by_name = {s.name: s for s in stages}
@@ -100,6 +101,7 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
         summary = demo.read_summary(root / name)
         assert summary["rows"] == 1000 and summary["backend"] == "hf"
         assert 0.0 <= summary["accuracy"] <= 1.0
+    assert demo.scored_items(demo.read_summary(root / "eval-sft"), demo.read_summary(root / "eval-grpo")) == 1000
     # the stage order of the plan is the pipeline of the issue
     assert [s.name for s in stages] == ["prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo",
                                         "merge-grpo", "eval-grpo", "report"]
@@ -147,6 +149,16 @@ def test_accuracy_margin_is_three_standard_errors_and_gates_the_verdict():
         accuracy_improved(0.1, 0.9, 200)
     with pytest.raises(UserError, match="more than noise"):
         accuracy_improved(0.0, 0.0, 1000)  # both zero: the floor keeps the margin positive
+
+
+def test_a0_and_a1_on_different_rows_are_refused():
+    from app.demo import scored_items
+
+    sft = {"data": "/d/test.parquet", "rows": 1000, "limit": None}
+    assert scored_items(sft, dict(sft)) == 1000
+    for other in ({"rows": 585, "limit": 585}, {"data": "/e/test.parquet"}):
+        with pytest.raises(UserError, match="different rows"):
+            scored_items(sft, {**sft, **other})
 
 
 def test_demo_is_a_make_target_listed_in_help():
