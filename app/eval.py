@@ -56,7 +56,7 @@ def load_rows(path: Path, limit: int | None) -> list[dict]:
     import pyarrow.parquet as pq
 
     if not path.is_file():
-        raise UserError(f"test data {path} does not exist: run `make prep` (DATA_DIR) or pass --data FILE")
+        raise UserError(f"test data {path} does not exist: run `make prep` (DATA_DIR) or set EVAL_FILE")
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a broken file
@@ -209,7 +209,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app eval", description=__doc__)
     parser.add_argument("--model", default=settings["MODEL"], help="Hugging Face model directory (MODEL)")
     parser.add_argument("--step", default=settings["STEP"], help="merged step, when no MODEL (STEP)")
-    parser.add_argument("--data", default=None, help="RL parquet (default DATA_DIR/gsm8k/test.parquet)")
+    parser.add_argument("--data", default=settings["EVAL_FILE"],
+                        help="RL parquet (EVAL_FILE; default DATA_DIR/gsm8k/test.parquet)")
     parser.add_argument("--limit", type=int, default=settings["LIMIT"] or None, help="first N rows (LIMIT)")
     parser.add_argument("--out", default=settings["OUT"], help="output directory (OUT; default <model>/eval)")
     parser.add_argument("--backend", default=settings["EVAL_BACKEND"], help=f"{'|'.join(BACKENDS)}")
@@ -233,7 +234,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,
                        args.max_new_tokens, gpus=count_gpus(settings["CUDA_VISIBLE_DEVICES"])[0] or 0,
                        tp=settings["EVAL_TP"])
-    say(f"GSM8K accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
+    task = "GSM8K" if data.parent.name == "gsm8k" else data.parent.name  # prep writes <task>/test.parquet
+    say(f"{task} accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
         f"{summary['formatted']:.0%} gave a '#### n' answer) with {summary['backend']}; "
         f"details in {out}/summary.json and samples.jsonl")
     return 0

@@ -166,6 +166,8 @@ REGISTRY: tuple[Var, ...] = (
         "rsync 自己的变量：gather 用的 ssh 端口/密钥", ("gather",), G_ONCE),
     Var("MODEL", "path", None, "eval: the model directory (instead of STEP)", "eval：模型目录（代替 STEP）",
         ("eval",), G_ONCE),
+    Var("EVAL_FILE", "path", None, "eval: the RL parquet to score (default DATA_DIR/gsm8k/test.parquet)",
+        "eval：要评测的 RL parquet（默认 DATA_DIR/gsm8k/test.parquet）", ("eval",), G_ONCE),
     Var("LIMIT", "int", None, "eval: the first N test rows (default all)", "eval：只取前 N 行（默认全部）",
         ("eval",), G_ONCE),
     Var("OUT", "path", None, "eval's output (default <model>/eval); tiny-model's (default models/tiny)",

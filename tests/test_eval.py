@@ -7,7 +7,7 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_one_line_error, run_app
+from conftest import assert_one_line_error, make, run_app
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,18 @@ def test_reference_answers_score_full_marks_through_the_same_scorer(tiny_model_d
     summary, samples = read_eval(out)
     assert summary["accuracy"] == 1.0 and summary["correct"] == 50
     assert all(s["extracted"] == s["ground_truth"] and "####" in s["response"] for s in samples)
+
+
+def test_eval_file_scores_another_task_of_prep_and_names_it(tiny_model_dir, tmp_path):
+    data = tmp_path / "data"
+    assert run_app("prep", "arith", env={"DATA_DIR": str(data)}).returncode == 0
+    out = tmp_path / "arith-eval"
+    result = make("eval", env={"MODEL": str(tiny_model_dir), "EVAL_FILE": str(data / "arith" / "test.parquet"),
+                               "LIMIT": "20", "EVAL_BACKEND": "reference", "OUT": str(out), "RUNTIME": "local"})
+    assert result.returncode == 0, result.stderr
+    summary, samples = read_eval(out)
+    assert summary["data"] == str(data / "arith" / "test.parquet") and summary["rows"] == 20
+    assert summary["accuracy"] == 1.0 and "arith accuracy 100.00% (20/20" in result.stdout
 
 
 def test_step_finds_the_model_merge_wrote_and_writes_eval_inside_it(tiny_model_dir, data_dir, tmp_path):
