@@ -68,7 +68,8 @@ GRPO_ARGS = [
 
 GRPO_SAVE_EVERY = 10
 # Stages that a rerun continues from their last checkpoint where an earlier demo started them with the same
-# settings (GRPO: 34 s a step of the tiny model on 1xH200, docs/gpu-runs.md run 9); the others are minutes.
+# settings (GRPO: ~4 minutes of start-up, then 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others
+# are minutes.
 RESUMABLE = ("grpo",)
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
@@ -214,12 +215,16 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         for marker in done.glob("*.json"):
             marker.unlink()
     seconds: dict[str, float] = {}
+    resumed: list[str] = []  # stages whose cut-short earlier attempts are not in `seconds`
     for i, stage in enumerate(stages, 1):
         say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
         marker = done / f"{stage.name}.json"
         record = {"argv": stage.argv[1:], "env": stage.env}
         if _finished(marker, record):
-            seconds[stage.name] = json.loads(marker.read_text())["seconds"]
+            earlier = json.loads(marker.read_text())
+            seconds[stage.name] = earlier["seconds"]
+            if earlier.get("resumed"):
+                resumed.append(stage.name)
             say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
         else:
             started = done / f"{stage.name}.started.json"
@@ -227,6 +232,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                 # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
                 say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
                 stage = dataclasses.replace(stage, env={**stage.env, "FRESH": "0"})
+                resumed.append(stage.name)
             elif stage.name in RESUMABLE:
                 with atomic_path(started) as tmp:
                     tmp.write_text(json.dumps(record) + "\n")
@@ -234,7 +240,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
             run_stage(stage, settings, "demo")
             seconds[stage.name] = round(time.monotonic() - t, 1)
             with atomic_path(marker) as tmp:
-                tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name]}) + "\n")
+                tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name],
+                                           "resumed": stage.name in resumed}) + "\n")
             say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
         if stage.name == settings["DEMO_UNTIL"]:
             say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
@@ -250,13 +257,15 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         "passed": True, "a0": a0, "a1": a1, "test_items": n, "margin": margin, "z": Z,
         "sft_loss_first": losses[0][1], "sft_loss_last": losses[-1][1],
         "reward_first_quarter": first, "reward_last_quarter": last, "reward_per_step": rewards,
-        "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over resumed runs too
+        "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over earlier demo runs too
+        "resumed": resumed,
         "report": str(root / "grpo" / "report"),
     }
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
-    say(f"demo passed in {figures['total_seconds']:.0f}s: accuracy after SFT A0 = {a0:.1%}, after GRPO "
+    untimed = f" (plus the cut-short attempts of {', '.join(resumed)} before they resumed)" if resumed else ""
+    say(f"demo passed in {figures['total_seconds']:.0f}s of stages{untimed}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
         f"A1 = {a1:.1%} on {n} unseen test items (+{a1 - a0:.1%}, above the noise margin {margin:.1%} = "
         f"{Z:g} standard errors); plots in {root / 'grpo' / 'report'}, figures in {root / 'demo.json'}")
     return 0

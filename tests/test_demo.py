@@ -265,3 +265,9 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
         demo.main("demo", [], load())
     assert fresh == ["1", "0", "1"]
     assert not (tmp_path / "stages" / "grpo.json").exists()  # never marked done
+    # the same settings once more, and this time it finishes: the stage is marked done and resumed, so the
+    # demo's time says that the killed attempts are not in it
+    monkeypatch.setattr(demo, "run_stage", lambda stage, settings, command: fresh.append(stage.env["FRESH"]))
+    assert demo.main("demo", [], load()) == 0
+    assert fresh[-1] == "0"
+    assert json.loads((tmp_path / "stages" / "grpo.json").read_text())["resumed"] is True
