@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -24,18 +20,13 @@ from conftest import REPO, assert_one_line_error, run_app
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
+from processes import driver_saw_both_nodes, free_port, stop_group, worker_then_head  # noqa: E402
 from stack_files import write_data_dir  # noqa: E402
 
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
                "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
                "VLLM_ATTENTION_BACKEND", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "WAIT_TIMEOUT",
                "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "DASHBOARD_HOST")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +47,6 @@ def start_app(command: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     handle = log.open("w")
     return subprocess.Popen([sys.executable, "-m", "app", command], cwd=REPO, env=env, stdout=handle,
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_group(process: subprocess.Popen, grace: float = 90) -> None:
-    """SIGTERM to what this test started (the app stops its Ray/torchrun children), SIGKILL as a last resort."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
 
 
 # --- SFT ---------------------------------------------------------------------------------------------
@@ -168,33 +144,17 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
     the worker leaves on its own."""
     env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "300"}
     worker_args = f"--num-gpus 1 --num-cpus 1 --dashboard-agent-listen-port {free_port()}"
-    worker = start_app("grpo-worker", {**env, "NODE_IP": "127.0.0.2", "RAY_START_ARGS": worker_args},
-                       tmp_path / "worker.log")
-    head = None
-    try:
-        time.sleep(3)
-        assert worker.poll() is None  # still waiting for a head
-        head = start_app("grpo-head", env, tmp_path / "head.log")
-        head_code = head.wait(timeout=500)
-        head_log = (tmp_path / "head.log").read_text()
-        assert head_code == 0, head_log[-4000:]
-        worker_code = worker.wait(timeout=180)
-    finally:
-        for process in (head, worker):
-            if process is not None:
-                stop_group(process)
-    worker_log = (tmp_path / "worker.log").read_text()
-    assert worker_code == 0 and "went away: worker stopped" in worker_log, worker_log[-3000:]
+    head_log, worker_log = tmp_path / "head.log", tmp_path / "worker.log"
+    worker_then_head(
+        lambda: start_app("grpo-worker", {**env, "NODE_IP": "127.0.0.2", "RAY_START_ARGS": worker_args}, worker_log),
+        lambda: start_app("grpo-head", env, head_log), head_log, worker_log, head_timeout=500)
 
     run = Path(env["CKPT_DIR"])
-    token = run / ".ray_auth_token"
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
-    seen = json.loads((run / "driver.json").read_text())
-    assert "127.0.0.2" in seen["nodes"] and len(seen["nodes"]) == 2 and seen["gpus"] == 2
+    seen = driver_saw_both_nodes(run)
     assert seen["RAY_ADDRESS"] == f"127.0.0.1:{env['RAY_PORT']}"
-    for task in seen["tasks"]:  # actors on both nodes: token mode, the run's tracking directory
-        assert task["RAY_AUTH_MODE"] == "token" and task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
-    assert "cluster ready:" in head_log and "127.0.0.2 (1 GPU)" in head_log
+    for task in seen["tasks"]:  # actors on both nodes: the run's tracking directory
+        assert task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
+    assert "cluster ready:" in head_log.read_text() and "127.0.0.2 (1 GPU)" in head_log.read_text()
 
 
 @pytest.mark.slow

@@ -9,34 +9,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from containers.conftest import FIXTURES, IMAGE, REPO, USER_UID, error_lines, owned_dir, plan_line, read_json
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop(process: subprocess.Popen, grace: float = 60) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+sys.path.insert(0, str(FIXTURES))
+from processes import driver_saw_both_nodes, free_port, stop_group, worker_then_head  # noqa: E402
 
 
 def owned_by_user(root: Path) -> list[str]:
@@ -210,7 +193,7 @@ def test_two_containers_meet_in_a_torchrun_rendezvous_over_gloo(stack, tiny_mode
         codes = [node.wait(timeout=600) for node in nodes]
     finally:
         for node in nodes:
-            stop(node)
+            stop_group(node, grace=60)
     logs = [(outside / f"node{rank}.log").read_text() for rank in (0, 1)]
     assert codes == [0, 0], logs
     for rank in (0, 1):
@@ -228,27 +211,13 @@ def test_ray_head_and_worker_as_two_containers_run_the_driver_on_both(stack, tin
               "RAY_gcs_rpc_server_reconnect_timeout_s=5"]
     worker_args = f"--num-gpus 1 --num-cpus 1 --dashboard-agent-listen-port {free_port()}"
     head_args = f"--num-gpus 1 --num-cpus 1 --include-dashboard false --dashboard-agent-listen-port {free_port()}"
-    worker = stack.start("grpo-worker", *common, "NODE_IP=127.0.0.2", f"RAY_START_ARGS={worker_args}",
-                         "RAY_TMPDIR=/tmp/rw", log=outside / "worker.log")
-    head = None
-    try:
-        time.sleep(3)
-        head = stack.start("grpo-head", *common, f"RAY_START_ARGS={head_args}", "RAY_TMPDIR=/tmp/rh",
-                           log=outside / "head.log")
-        head_code = head.wait(timeout=600)
-        assert head_code == 0, (outside / "head.log").read_text()[-4000:]
-        worker_code = worker.wait(timeout=180)
-    finally:
-        for process in (head, worker):
-            if process is not None:
-                stop(process)
-    worker_log = (outside / "worker.log").read_text()
-    assert worker_code == 0 and "went away: worker stopped" in worker_log, worker_log[-3000:]
-    token = run / ".ray_auth_token"
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600
-    seen = read_json(run / "driver.json")
-    assert "127.0.0.2" in seen["nodes"] and len(seen["nodes"]) == 2 and seen["gpus"] == 2  # as the CPU suite
-    assert all(task["RAY_AUTH_MODE"] == "token" for task in seen["tasks"])
+    head_log, worker_log = outside / "head.log", outside / "worker.log"
+    worker_then_head(
+        lambda: stack.start("grpo-worker", *common, "NODE_IP=127.0.0.2", f"RAY_START_ARGS={worker_args}",
+                            "RAY_TMPDIR=/tmp/rw", log=worker_log),
+        lambda: stack.start("grpo-head", *common, f"RAY_START_ARGS={head_args}", "RAY_TMPDIR=/tmp/rh", log=head_log),
+        head_log, worker_log, head_timeout=600)
+    driver_saw_both_nodes(run)  # as the CPU suite (tests/test_launch.py)
 
 
 # --- merge of a real FSDP checkpoint, report -------------------------------------------------------------
