@@ -61,6 +61,8 @@ def _worker(rank: int, args) -> None:
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
     torch.set_num_threads(1)
+    # verl's local_mkdir_safe leaves a ckpt_<hash>.lock in the temp dir at every save: keep them in ours
+    tempfile.tempdir = os.path.dirname(args.store)
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=args.world_size)
     model, tokenizer = _build_model(args)
     if args.lora:
