@@ -102,9 +102,15 @@ def gpu_memory_bytes() -> int | None:
     return min(sizes) * 1024**2 if out.returncode == 0 and sizes else None
 
 
+def flash_attn_installed() -> bool:
+    """Whether flash-attn is importable here: its attention kernel, and verl's cross-entropy log-prob kernel
+    (without it verl 0.9.1 takes log-probs one token at a time unless use_fused_kernels is on)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def attention() -> tuple[str, str]:
     """(attn_implementation, why) for the trainer on this node."""
-    if importlib.util.find_spec("flash_attn") is not None:
+    if flash_attn_installed():
         return "flash_attention_2", "flash-attn is installed"
     return "flex_attention", "flash-attn is not installed here (the image has it); FlexAttention keeps packed samples apart"
 

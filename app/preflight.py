@@ -352,7 +352,7 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
     if sel(f"{model}.use_fused_kernels"):
         notes.append(f"log-probs: verl's fused {sel(f'{model}.fused_kernel_options.impl_backend')} kernel "
                      "(no tokens x vocabulary logits)")
-    elif importlib.util.find_spec("flash_attn") is None:
+    elif not perf.flash_attn_installed():
         # verl 0.9.1's fallback (logprobs_from_logits_v2) loops over the tokens in Python: measured on 1xH200
         warnings.append(f"{model}.use_fused_kernels=false and flash-attn is not installed: verl computes the "
                         "log-probs one token at a time (about 5k tokens/s on 1xH200, whatever the model); "

@@ -154,7 +154,8 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
     assert seen["RAY_ADDRESS"] == f"127.0.0.1:{env['RAY_PORT']}"
     for task in seen["tasks"]:  # actors on both nodes: the run's tracking directory
         assert task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
-    assert "cluster ready:" in head_log.read_text() and "127.0.0.2 (1 GPU)" in head_log.read_text()
+    head_text = head_log.read_text()
+    assert "cluster ready:" in head_text and "127.0.0.2 (1 GPU)" in head_text
 
 
 @pytest.mark.slow

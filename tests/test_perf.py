@@ -3,7 +3,6 @@ config.json as app.tiny writes them), and preflight's refusal of a budget that c
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -125,7 +124,7 @@ def test_shipped_profiles_take_log_probs_from_verls_fused_kernel(launch_env, job
     assert not any("one token at a time" in w for w in plan.warnings)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+@pytest.mark.skipif(perf.flash_attn_installed(),
                     reason="with flash-attn installed verl takes its cross-entropy kernel instead: nothing to warn")
 def test_preflight_warns_that_turning_fused_kernels_off_without_flash_attn_is_per_token(launch_env, monkeypatch):
     from test_config import plan_of
