@@ -160,35 +160,63 @@ PERF_KEYS = {
 }
 
 
-def overrides(job: str, s=None) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True)
+class Note:
+    text: str  # "attention: flex_attention (why)"
+    keys: tuple[str, ...] = ()  # the overrides it describes
+
+
+def overrides(job: str, s=None) -> tuple[list[str], list[Note]]:
     """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
 
     Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
     under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
     the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
-    `s` is preflight's Launch of this node. The user's ARGS come later and win; `check_budgets` then
-    refuses a budget that cannot fit.
+    `s` is preflight's Launch of this node. The user's ARGS come later and win (`notes_for` then says
+    what runs instead); `check_budgets` refuses a budget that cannot fit.
     """
     keys = PERF_KEYS[job]
     impl, why = attention()
-    out = [f"{keys['model']}.override_config.attn_implementation={impl}"]
-    notes = [f"attention: {impl} ({why})"]
+    attn_key = f"{keys['model']}.override_config.attn_implementation"
+    out = [f"{attn_key}={impl}"]
+    notes = [Note(f"attention: {impl} ({why})", (attn_key,))]
     if job == "sft" and liger():  # measured for SFT only (docs/benchmarks.md)
         out.append("model.use_liger=True")
-        notes.append("Liger kernels: on (liger-kernel is installed)")
+        notes.append(Note("Liger kernels: on (liger-kernel is installed)", ("model.use_liger",)))
     shape = model_shape(s.model_path) if s is not None and s.model_path is not None else None
     gpu = gpu_memory_bytes()
     if s is None or shape is None or gpu is None:
-        notes.append("token budget: the profile's (GPU memory or model shape unknown here)")
+        notes.append(Note("token budget: the profile's (GPU memory or model shape unknown here)"))
         return out, notes
     budget = token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo")
     if budget is None:
         return out, notes  # check_budgets refuses with what to do
-    out.append(f"{keys['model']}.enable_gradient_checkpointing={budget.checkpointing}")
-    out += [f"{key}={budget.tokens * factor}" for key, factor in keys["budgets"].items()]
-    notes.append(f"token budget: {budget.tokens} tokens per GPU, gradient checkpointing "
-                 f"{'on' if budget.checkpointing else 'off'} ({budget.why})")
+    chosen = {f"{keys['model']}.enable_gradient_checkpointing": budget.checkpointing,
+              **{key: budget.tokens * factor for key, factor in keys["budgets"].items()}}
+    out += [f"{key}={value}" for key, value in chosen.items()]
+    notes.append(Note(f"token budget: {budget.tokens} tokens per GPU, gradient checkpointing "
+                      f"{'on' if budget.checkpointing else 'off'} ({budget.why})", tuple(chosen)))
     return out, notes
+
+
+def notes_for(notes: list[Note], choices: list[str], cfg) -> list[str]:
+    """The notes of this node's choices as they stand in the composed config: where ARGS or CONFIG set one
+    of a note's keys otherwise, the note says what runs and what preflight would have chosen."""
+    from omegaconf import OmegaConf
+
+    chosen = dict(choice.split("=", 1) for choice in choices)
+    out = []
+    for note in notes:
+        composed = {key: OmegaConf.select(cfg, key) for key in note.keys}
+        replaced = [key for key in note.keys if str(composed[key]).lower() != chosen[key].lower()]
+        if not replaced:
+            out.append(note.text)
+            continue
+        topic = note.text.split(":", 1)[0]
+        out.append(f"{topic}: " + ", ".join(f"{key}={composed[key]}" for key in replaced)
+                   + " from ARGS or CONFIG (this node's choice: "
+                   + ", ".join(f"{key}={chosen[key]}" for key in replaced) + ")")
+    return out
 
 
 def check_budgets(s, cfg, gpu: int | None = None) -> None:

@@ -301,7 +301,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     perf_overrides, perf_notes = perf.overrides(job, s)
     overrides = stack_overrides(s, perf_overrides)
     cfg = compose(job, with_user_args(overrides, s.args))
-    notes += perf_notes
+    notes += perf.notes_for(perf_notes, perf_overrides, cfg)
     warnings += userconfig.machine_warnings(job, settings, s)
     _check_config(s, cfg, notes, warnings)
     perf.check_budgets(s, cfg)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app import composition
+from app import composition, perf
 from app import preflight as pf
 from app.common import UserError
 from app.settings import load
@@ -177,6 +177,18 @@ def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_prefli
         # no GPU here: the profile's safe budget and checkpointing stand, and preflight says why
         assert any("token budget: the profile's" in n for n in plan.notes)
         assert model.enable_gradient_checkpointing is True
+
+
+def test_preflight_says_which_attention_runs_when_args_replace_the_nodes_choice(launch_env, monkeypatch):
+    chosen, _ = perf.attention()
+    for job, key in (("sft", "model"), ("grpo", "actor_rollout_ref.model")):
+        monkeypatch.setenv("ARGS", f"{key}.override_config.attn_implementation=sdpa")
+        notes = [n for n in plan_of(job).notes if n.startswith("attention: ")]
+        assert notes == [f"attention: {key}.override_config.attn_implementation=sdpa from ARGS or CONFIG "
+                         f"(this node's choice: {key}.override_config.attn_implementation={chosen})"]
+        # ARGS that repeat the node's own choice leave the note as it was
+        monkeypatch.setenv("ARGS", f"{key}.override_config.attn_implementation={chosen}")
+        assert [n for n in plan_of(job).notes if n.startswith("attention: ")] == [f"attention: {chosen} ({perf.attention()[1]})"]
 
 
 def test_paths_with_spaces_survive_hydra_quoting(launch_env, monkeypatch, tmp_path):
