@@ -13,7 +13,7 @@ Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ 
 (run, with report/ plots), grpo-model/, eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
 A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped, and a
 GRPO stage that was cut short continues from its last checkpoint (one every 10 steps).
-Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 40), DEMO_UNTIL=<stage> (stop after
+Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 20), DEMO_UNTIL=<stage> (stop after
 it, e.g. eval-sft: the SFT half; a rerun goes on from there), FRESH=1 (rerun every stage), DRY_RUN=1 (print
 the plan).
 """
@@ -35,7 +35,12 @@ from app.smoke import Stage, gpu_count, read_losses, run_stage
 # model), short sequences. Measured on 1xH200 (docs/gpu-runs.md): held-out accuracy 2.7% after 100 steps,
 # 6.7% after 200, 56% after 300. The demo stops there on purpose (A0 well below 100%), so that GRPO has
 # room to show what it adds.
+# sdpa and no Liger for a 2-layer model: FlexAttention's and Liger's kernels compile on first use (the first
+# SFT step took 38 s, the first GRPO old log-prob 34 s: docs/gpu-runs.md run 11), more than they can save on a
+# model this small; sdpa keeps packed samples apart too (app/perf.py).
 SFT_ARGS = [
+    "model.override_config.attn_implementation=sdpa",
+    "model.use_liger=False",
     "data.train_batch_size=64",
     "data.micro_batch_size_per_gpu=64",
     "data.max_length=128",
@@ -52,6 +57,7 @@ SFT_ARGS = [
 # responses (`#### <sum>` is a few tokens), no prompt-length filter (every arith prompt is 48-50 tokens with the tiny tokenizer),
 # and vLLM in eager mode (its compile and CUDA-graph capture cost minutes that a tiny model never recovers).
 GRPO_ARGS = [
+    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "data.train_batch_size=64",
     "data.max_prompt_length=64",
     "data.max_response_length=16",

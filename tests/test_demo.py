@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
@@ -105,6 +106,30 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
     # the stage order of the plan is the pipeline of the issue
     assert [s.name for s in stages] == ["prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo",
                                         "merge-grpo", "eval-grpo", "report"]
+
+
+def test_demo_training_stages_pass_preflight_with_sdpa_for_the_tiny_model(tmp_path, monkeypatch):
+    """`python -m app check` with each training stage's own settings: the profile, the demo's ARGS and verl's
+    validate_config (GRPO) compose into a config that passes, and preflight says sdpa is the demo's choice."""
+    from app import demo
+    from app.settings import load
+    from app.smoke import child_env, run_stage
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path / "demo"))
+    settings = load()
+    _, stages = demo.plan(settings)
+    by_name = {s.name: s for s in stages}
+    run_stage(by_name["prep"], settings)
+    run_stage(by_name["tiny-model"], settings)
+    for name, job, key in (("sft", "sft", "model"), ("grpo", "grpo", "actor_rollout_ref.model")):
+        env = child_env(by_name[name], settings)
+        if name == "grpo":  # the SFT stage's merged model is not there on CPU: the same tiny model stands in
+            env["MODEL_PATH"] = str(tmp_path / "demo" / "model")
+        result = subprocess.run([sys.executable, "-m", "app", "check", job], env=env, capture_output=True,
+                                text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"ok: attention: {key}.override_config.attn_implementation=sdpa from ARGS or CONFIG" in result.stdout
+        assert f"preflight {job}: passed" in result.stdout
 
 
 def _write_grpo_log(run, rewards, monkeypatch):
@@ -242,7 +267,7 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
     monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage really runs here
     _, stages = demo.plan(load())
     grpo = next(s for s in stages if s.name == "grpo")
-    assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=40" in grpo.env["ARGS"]
+    assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=20" in grpo.env["ARGS"]
     for stage in stages[:5]:  # prep .. eval-sft, as an earlier run leaves them
         marker = tmp_path / "stages" / f"{stage.name}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +285,7 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
         demo.main("demo", [], load())
     assert fresh == ["1", "0"]
     assert "resuming the run an earlier demo started" in capsys.readouterr().out
-    monkeypatch.setenv("DEMO_GRPO_STEPS", "20")  # other settings: a new run, the old one moved aside by FRESH=1
+    monkeypatch.setenv("DEMO_GRPO_STEPS", "30")  # other settings: a new run, the old one moved aside by FRESH=1
     with pytest.raises(UserError):
         demo.main("demo", [], load())
     assert fresh == ["1", "0", "1"]
