@@ -12,7 +12,8 @@ reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/, grpo/
 (run, with report/ plots), grpo-model/, eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
 A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped, and a
-GRPO stage that was cut short continues from its last checkpoint (one every 10 steps).
+GRPO stage that was cut short continues from its last checkpoint (one every 10 steps), or, where that is its
+last step, is not started again.
 Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 20), DEMO_UNTIL=<stage> (stop after
 it, e.g. eval-sft: the SFT half; a rerun goes on from there), FRESH=1 (rerun every stage), DRY_RUN=1 (print
 the plan).
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from app import runs
 from app.common import UserError, atomic_path, say
 from app.settings import Settings
 from app.smoke import Stage, gpu_count, read_losses, run_stage
@@ -234,16 +236,24 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
             say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
         else:
             started = done / f"{stage.name}.started.json"
-            if stage.name in RESUMABLE and _finished(started, record):
-                # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
-                say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
-                stage = dataclasses.replace(stage, env={**stage.env, "FRESH": "0"})
-                resumed.append(stage.name)
-            elif stage.name in RESUMABLE:
-                with atomic_path(started) as tmp:
-                    tmp.write_text(json.dumps(record) + "\n")
             t = time.monotonic()
-            run_stage(stage, settings, "demo")
+            if stage.name in RESUMABLE and _finished(started, record):
+                resumed.append(stage.name)
+                last = settings["DEMO_GRPO_STEPS"]
+                if runs.latest_step(Path(stage.env["CKPT_DIR"])) == last:
+                    # cut short after its last checkpoint (while Ray stopped): a rerun of verl would spend
+                    # its ~4 minutes of start-up to find nothing left to train (docs/gpu-runs.md run 14)
+                    say(f"=== {stage.name}: the run an earlier demo started saved its last step ({last}) before "
+                        "it was cut short; not started again")
+                else:
+                    # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
+                    say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
+                    run_stage(dataclasses.replace(stage, env={**stage.env, "FRESH": "0"}), settings, "demo")
+            else:
+                if stage.name in RESUMABLE:
+                    with atomic_path(started) as tmp:
+                        tmp.write_text(json.dumps(record) + "\n")
+                run_stage(stage, settings, "demo")
             seconds[stage.name] = round(time.monotonic() - t, 1)
             with atomic_path(marker) as tmp:
                 tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name],

@@ -296,3 +296,36 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
     assert demo.main("demo", [], load()) == 0
     assert fresh[-1] == "0"
     assert json.loads((tmp_path / "stages" / "grpo.json").read_text())["resumed"] is True
+
+
+def test_a_grpo_stage_cut_after_its_last_checkpoint_is_not_started_again(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Killed while Ray stopped, after verl saved the last step (run 14 on the GPU): the rerun goes straight to
+    merge instead of spending verl's start-up to find nothing left to train; a run cut before its last step
+    still resumes. The checkpoints are real FSDP ones in the GRPO layout, with verl's step tracker."""
+    from app import demo
+    from app.settings import load
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
+    monkeypatch.setenv("DEMO_UNTIL", "grpo")
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage really runs here
+    _, stages = demo.plan(load())
+    for stage in stages[:5]:  # prep .. eval-sft, as an earlier run leaves them
+        marker = tmp_path / "stages" / f"{stage.name}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"argv": stage.argv[1:], "env": stage.env, "seconds": 1.0}))
+    grpo = next(s for s in stages if s.name == "grpo")
+    (tmp_path / "stages" / "grpo.started.json").write_text(json.dumps({"argv": grpo.argv[1:], "env": grpo.env}))
+    ran = []
+    monkeypatch.setattr(demo, "run_stage", lambda stage, settings, command: ran.append(stage.env["FRESH"]))
+
+    make_run(tmp_path / "grpo", tiny_model_dir, world_size=1, step=2, layout="grpo")  # cut at step 2 of 4
+    assert demo.main("demo", [], load()) == 0
+    assert ran == ["0"] and "resuming the run" in capsys.readouterr().out
+
+    (tmp_path / "stages" / "grpo.json").unlink()
+    make_run(tmp_path / "grpo", tiny_model_dir, world_size=1, step=4, layout="grpo")  # the last step saved
+    assert demo.main("demo", [], load()) == 0
+    assert ran == ["0"]  # verl not started again
+    assert "saved its last step (4) before it was cut short; not started again" in capsys.readouterr().out
+    assert json.loads((tmp_path / "stages" / "grpo.json").read_text())["resumed"] is True
