@@ -120,8 +120,10 @@ def sft_command(plan: Preflight, settings: Settings) -> list[str]:
     rendezvous at MASTER_ADDR:MASTER_PORT across nodes; the same line everywhere but --node-rank."""
     s = plan.launch
     module = settings["SFT_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny CPU stand-in
+    # --log-dir: torchrun's per-attempt files (its error.json of a failed rank) stay with the run, not in a
+    # fresh /tmp/torchelastic_* for every launch
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(s.nnodes),
-               "--nproc-per-node", str(s.gpus_per_node)]
+               "--nproc-per-node", str(s.gpus_per_node), "--log-dir", str(logs_dir(s.run_dir) / "torchrun")]
     if s.multi_node:
         command += ["--node-rank", str(s.node_rank), "--master-addr", str(s.master_addr),
                     "--master-port", str(s.master_port)]

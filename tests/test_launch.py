@@ -55,7 +55,9 @@ def test_sft_dry_run_prints_the_torchrun_line_and_environment_after_preflight(ba
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "ok: train file:" in out  # preflight ran first
-    assert "-m torch.distributed.run --nnodes 1 --nproc-per-node 1 --standalone -m verl.trainer.sft_trainer" in out
+    run = base_env["CKPT_DIR"]
+    assert (f"-m torch.distributed.run --nnodes 1 --nproc-per-node 1 --log-dir {run}/logs/torchrun --standalone "
+            "-m verl.trainer.sft_trainer") in out
     assert f"--config-dir {REPO / 'configs'} --config-name sft" in out
     assert out.rstrip().endswith("optim.lr=2e-5")  # ARGS last
     assert "export SWANLAB_MODE=local" in out and "export VERL_FILE_LOGGER_PATH=" in out
@@ -72,6 +74,7 @@ def test_sft_dry_run_refuses_what_preflight_refuses(base_env):
 def test_two_node_torchrun_rendezvous_over_gloo_meets_and_finishes(base_env, tmp_path):
     """Two `make sft` lines, different only in NODE_RANK (and each node's own disk), meet and finish."""
     port = free_port()
+    elastic_dirs = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     nodes = []
     for rank in (0, 1):
         env = {**base_env, "NNODES": "2", "NODE_RANK": str(rank), "GPUS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -92,6 +95,9 @@ def test_two_node_torchrun_rendezvous_over_gloo_meets_and_finishes(base_env, tmp
         assert seen["file_logger"].startswith(str(tmp_path / f"node{rank}" / "run" / "logs"))
         assert "SFT finished" in logs[rank]
     assert not (tmp_path / "node0" / "run" / "rank1.json").exists()  # each node writes its own disk
+    # torchrun's attempt files stay with each node's run, none in the temp dir
+    assert all(any((tmp_path / f"node{rank}" / "run" / "logs" / "torchrun").iterdir()) for rank in (0, 1))
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic_dirs
 
 
 @pytest.mark.slow
