@@ -329,8 +329,13 @@ def identity_mounts(mounts: Mounts, service: str) -> dict[str, str]:
     ssh = Path(home) / ".ssh"
     if service == "merger" and ssh.is_dir():
         mounts.add(os.path.realpath(ssh), str(ssh), "ro")
-    return {"HOME": str(inside_home), "XDG_CACHE_HOME": str(inside_home / ".cache"),
-            "TRITON_CACHE_DIR": str(inside_home / ".cache" / "triton")}
+    # the compile caches too: Triton's kernels and Inductor's graphs (FlexAttention, torch.compile) would
+    # otherwise go to the container's /tmp and be compiled again by every run (the first GRPO step spent
+    # 93 s compiling at the 0.5B shape; a warm cache cut its first old log-prob from 34 s to 16 s:
+    # docs/gpu-runs.md runs 11 and 13)
+    cache = inside_home / ".cache"
+    return {"HOME": str(inside_home), "XDG_CACHE_HOME": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor")}
 
 
 # --- the plan -----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,14 @@ def test_gpu_1_adds_the_gpu_overlay_without_asking_the_engine(no_overlays, monke
     assert str(REPO / "compose.gpu.yaml") in argv
     argv, _ = containers.plan("merger", ["merge"], {}, REPO)
     assert str(REPO / "compose.gpu.yaml") not in argv  # GPUs go to the GPU services only
+
+
+def test_compile_caches_live_in_the_persistent_home_so_later_runs_skip_the_compile(no_overlays, tmp_path):
+    """Triton's and Inductor's caches inside the mounted HOME under STACK_HOME (kept on the host), not in the
+    container's own /tmp, which every `docker compose run --rm` starts empty."""
+    argv, _ = containers.plan("ray-head", ["grpo-head"], {}, REPO)
+    inside = dict(value.split("=", 1) for value in flags(argv, "-e") if "=" in value)
+    home = Path(inside["HOME"])
+    assert f"{home}:{home}" in flags(argv, "-v") and home.is_relative_to(tmp_path / "state")
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert Path(inside[name]).is_relative_to(home), name
