@@ -358,6 +358,13 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                         "log-probs one token at a time (about 5k tokens/s on 1xH200, whatever the model); "
                         "keep the profile's true")
 
+    if sel(f"{model}.override_config.attn_implementation") == "flex_attention":
+        # same seed, data and first loss, 300 SFT steps of a 2-layer model on 1xH200: val/loss 0.209 against
+        # sdpa's 0.111 (docs/gpu-runs.md run 15); its forward on packed rows is right, its backward unchecked
+        warnings.append(f"attention is FlexAttention (no flash-attn here): in one comparison it trained a small "
+                        f"model worse than sdpa from the same start (docs/gpu-runs.md run 15, being checked); for "
+                        f"sdpa's slower, known-good kernel: ARGS='{model}.override_config.attn_implementation=sdpa'")
+
     save_freq = sel("trainer.save_freq")
     if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
         raise UserError(f"trainer.save_freq={save_freq} writes no checkpoint (verl's default -1): "

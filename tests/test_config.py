@@ -177,6 +177,10 @@ def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_prefli
         # no GPU here: the profile's safe budget and checkpointing stand, and preflight says why
         assert any("token budget: the profile's" in n for n in plan.notes)
         assert model.enable_gradient_checkpointing is True
+        # and it warns of the open comparison against sdpa, with the ARGS that choose sdpa
+        key = "model" if job == "sft" else "actor_rollout_ref.model"
+        assert [w for w in plan.warnings if "FlexAttention" in w and "run 15" in w
+                and f"ARGS='{key}.override_config.attn_implementation=sdpa'" in w]
 
 
 def test_preflight_says_which_attention_runs_when_args_replace_the_nodes_choice(launch_env, monkeypatch):
@@ -186,6 +190,7 @@ def test_preflight_says_which_attention_runs_when_args_replace_the_nodes_choice(
         notes = [n for n in plan_of(job).notes if n.startswith("attention: ")]
         assert notes == [f"attention: {key}.override_config.attn_implementation=sdpa from ARGS or CONFIG "
                          f"(this node's choice: {key}.override_config.attn_implementation={chosen})"]
+        assert not [w for w in plan_of(job).warnings if "FlexAttention" in w]  # sdpa chosen: no FlexAttention warning
         # ARGS that repeat the node's own choice leave the note as it was
         monkeypatch.setenv("ARGS", f"{key}.override_config.attn_implementation={chosen}")
         assert [n for n in plan_of(job).notes if n.startswith("attention: ")] == [f"attention: {chosen} ({perf.attention()[1]})"]
