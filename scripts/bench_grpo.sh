@@ -3,7 +3,9 @@
 # against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
 # per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
 #
-#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-v0, profile-unfused; default: stock profile)
+#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-*: see the `case` below; default: stock profile)
+#   BENCH_CHECK=1 scripts/bench_grpo.sh ... compose every config on any machine (Hydra, preflight,
+#                                            verl's validate_config), run nothing: a typo costs no GPU call
 #
 # Settings (environment):
 #   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
@@ -43,7 +45,7 @@ stock=(algorithm.adv_estimator=grpo data.train_files="$train" data.val_files="$v
        algorithm.use_kl_in_reward=False trainer.critic_warmup=0 "trainer.n_gpus_per_node=$NGPU" trainer.nnodes=1
        trainer.resume_mode=disable ++actor_rollout_ref.model.override_config.attn_implementation=sdpa)
 
-results=()
+results=(); failed=()
 for name in "${configs[@]}"; do
   case $name in
     stock)   cmd=("$PYTHON" -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
@@ -53,6 +55,11 @@ for name in "${configs[@]}"; do
                profile) extra="" ;;
                profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
                profile-unfused) extra=actor_rollout_ref.model.use_fused_kernels=False ;;  # verl's per-token log-probs
+               # vLLM, from verl's performance guide: more KV cache now that the trainer holds ~51 GB, larger
+               # prefill chunks (verl's default 8192), and its worker in the EngineCore process (one spawn less)
+               profile-gmu8) extra=actor_rollout_ref.rollout.gpu_memory_utilization=0.8 ;;
+               profile-mnbt) extra=actor_rollout_ref.rollout.max_num_batched_tokens=32768 ;;
+               profile-uni) extra=+actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni ;;
                *) echo "unknown config $name" >&2; exit 2 ;;
              esac
              cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
@@ -62,12 +69,21 @@ for name in "${configs[@]}"; do
   esac
   log="$BENCH_DIR/$name.log"
   echo "== $name: ${cmd[*]}"
+  if [ -n "${BENCH_CHECK:-}" ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for our targets
+    if [ "$name" = stock ]; then "${cmd[@]}" --cfg job > "$log" 2>&1; else "${cmd[@]}" DRY_RUN=1 > "$log" 2>&1; fi \
+      || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
+    continue
+  fi
   line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" --timeout "${BENCH_TIMEOUT:-900}" \
            --tokens-key perf/total_num_tokens -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done
 
+if [ -n "${BENCH_CHECK:-}" ]; then
+  [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
+  echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
+fi
 echo "== GRPO: $PRESET shape, batch $BATCH x n=$N, responses <= $RESPONSE tokens, $NGPU GPU(s), steps 2..$STEPS timed"
 echo "   (tokens/s is per node; perf/throughput is verl's own tokens/s/GPU)"
 printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock \

@@ -4,6 +4,8 @@
 # and the ratio of each to `stock`.
 #
 #   scripts/bench_sft.sh [CONFIG...]        (default: stock profile)
+#   BENCH_CHECK=1 scripts/bench_sft.sh ...   compose every config on any machine (Hydra, preflight), run
+#                                            nothing: a typo costs no GPU call
 #
 # CONFIG is one of the names in the `case` below. Settings (environment):
 #   BENCH_DIR   where the model, data and logs go (default runs/bench-sft; git-ignored)
@@ -42,7 +44,7 @@ flex=(++model.override_config.attn_implementation=flex_attention)
 # pretrained model; the same optimizer as stock is what makes the loss per step comparable)
 stockopt=(optim.lr=1e-3 optim.lr_scheduler_type=constant optim.lr_warmup_steps_ratio=0.0)
 
-results=()
+results=(); failed=()
 for label in "${configs[@]}"; do
   extra=()
   name=${label%-stockopt}
@@ -75,10 +77,20 @@ for label in "${configs[@]}"; do
          trainer.default_local_dir="$BENCH_DIR/ckpt-$name" "${extra[@]}")
   fi
   echo "== $name: ${cmd[*]}"
+  if [ -n "${BENCH_CHECK:-}" ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for `make sft`
+    if [[ $name == profile* ]]; then "${cmd[@]}" DRY_RUN=1 > "$log" 2>&1
+    else $PYTHON -m verl.trainer.sft_trainer "${cmd[@]:8}" --cfg job > "$log" 2>&1; fi \
+      || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
+    continue
+  fi
   line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done
 
+if [ -n "${BENCH_CHECK:-}" ]; then
+  [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
+  echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
+fi
 echo "== SFT throughput: $PRESET shape, ~$SEQ_TOKENS-token samples, batch $BATCH, $NGPU GPU(s), steps 2..$STEPS timed"
 printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock
