@@ -38,7 +38,7 @@ from app.smoke import Stage, gpu_count, read_losses, run_stage
 # (run 14; with FlexAttention 2.7% after 100, 6.7% after 200, 56% after 300: runs 5 and 15). The demo stops
 # there on purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 88.8% in run 14).
 # sdpa and no Liger for a 2-layer model: FlexAttention's and Liger's kernels compile on first use (the first
-# SFT step took 38 s, the first GRPO old log-prob 34 s: docs/gpu-runs.md run 11), more than they can save on a
+# SFT step took 37 s in run 5, the first GRPO old log-prob 34 s in run 11: docs/gpu-runs.md), more than they can save on a
 # model this small, and with FlexAttention the same 300 steps learned less (run 15); sdpa keeps packed samples
 # apart too (app/perf.py).
 SFT_ARGS = [

@@ -37,6 +37,11 @@ REF_BYTES_PER_PARAM = 4
 ACT_BYTES_NO_CKPT = 56
 # With checkpointing each layer keeps its bf16 input (2 bytes/hidden unit) and one layer is recomputed.
 ACT_BYTES_CKPT_KEPT = 2
+# sdpa and eager get a dense tokens x tokens mask under remove-padding, held per layer: +31.7 GB at 32k tokens
+# on the 1.5B shape (28 layers; 126.8 GB against FlexAttention's 95.1 GB, the issue's table) = 1.05 bytes a
+# token pair a layer. FlexAttention and flash-attn hold no such mask.
+DENSE_MASK_BYTES = 1.1
+DENSE_MASK_IMPLS = ("sdpa", "eager")
 # Fraction of the card the budget may plan for (the allocator's fragmentation, CUDA context, NCCL buffers).
 USABLE = 0.80
 CONTEXT_BYTES = 2 * GIB
@@ -129,9 +134,10 @@ class Budget:
 
 
 def token_budget(shape: ModelShape, gpu_bytes: int, gpus: int, *, ref_model: bool = False,
-                 min_tokens: int = 1, cap: int | None = MAX_BUDGET) -> Budget | None:
+                 min_tokens: int = 1, cap: int | None = MAX_BUDGET, dense_mask: bool = False) -> Budget | None:
     """The largest token budget per GPU that fits (a multiple of BUDGET_STEP, at most `cap`), with
-    checkpointing off where that budget is at least MIN_FAST_BUDGET; None where not even min_tokens fit."""
+    checkpointing off where that budget is at least MIN_FAST_BUDGET; None where not even min_tokens fit.
+    dense_mask: the attention holds a tokens x tokens mask per layer (sdpa, eager)."""
     static = shape.params * (TRAIN_BYTES_PER_PARAM + (REF_BYTES_PER_PARAM if ref_model else 0)) / max(gpus, 1)
     free = gpu_bytes * USABLE - CONTEXT_BYTES - static
     where = (f"{shape.params / 1e9:.2f}B parameters over {gpus} GPU(s) of {gpu_bytes / GIB:.0f} GiB: "
@@ -143,6 +149,8 @@ def token_budget(shape: ModelShape, gpu_bytes: int, gpus: int, *, ref_model: boo
             break
         tokens = int(free // per_token) // BUDGET_STEP * BUDGET_STEP
         tokens = min(cap, tokens) if cap else tokens
+        while dense_mask and tokens > 0 and tokens * per_token + DENSE_MASK_BYTES * shape.layers * tokens**2 > free:
+            tokens -= BUDGET_STEP
         if tokens >= (min_tokens if checkpointing else max(MIN_FAST_BUDGET, min_tokens)):
             return Budget(tokens, checkpointing, where)
     return None
@@ -166,14 +174,16 @@ class Note:
     keys: tuple[str, ...] = ()  # the overrides it describes
 
 
-def overrides(job: str, s=None) -> tuple[list[str], list[Note]]:
+def overrides(job: str, s=None, chosen_attention: str | None = None) -> tuple[list[str], list[Note]]:
     """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
 
     Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
     under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
     the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
-    `s` is preflight's Launch of this node. The user's ARGS come later and win (`notes_for` then says
-    what runs instead); `check_budgets` refuses a budget that cannot fit.
+    `s` is preflight's Launch of this node. The user's ARGS and CONFIG come later and win (`notes_for` then
+    says what runs instead); `chosen_attention` is the implementation they chose, for a budget that holds
+    its mask.
+    `check_budgets` refuses a budget that cannot fit.
     """
     keys = PERF_KEYS[job]
     impl, why = attention()
@@ -188,7 +198,8 @@ def overrides(job: str, s=None) -> tuple[list[str], list[Note]]:
     if s is None or shape is None or gpu is None:
         notes.append(Note("token budget: the profile's (GPU memory or model shape unknown here)"))
         return out, notes
-    budget = token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo")
+    budget = token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo",
+                          dense_mask=(chosen_attention or impl) in DENSE_MASK_IMPLS)
     if budget is None:
         return out, notes  # check_budgets refuses with what to do
     chosen = {f"{keys['model']}.enable_gradient_checkpointing": budget.checkpointing,
@@ -230,8 +241,11 @@ def check_budgets(s, cfg, gpu: int | None = None) -> None:
         return
     keys = PERF_KEYS[s.job]
     checkpointing = bool(OmegaConf.select(cfg, f"{keys['model']}.enable_gradient_checkpointing"))
+    impl = OmegaConf.select(cfg, f"{keys['model']}.override_config.attn_implementation")
+    dense = impl in DENSE_MASK_IMPLS
     gpus = s.gpus_per_node * s.nnodes
-    fits = token_budget(shape, gpu, gpus, ref_model=s.job == "grpo", cap=None)  # what fits, not what is fast
+    # what fits, not what is fast
+    fits = token_budget(shape, gpu, gpus, ref_model=s.job == "grpo", cap=None, dense_mask=dense)
     if fits is None:
         raise UserError(f"the model ({shape.params / 1e9:.1f}B parameters) does not fit {gpus} GPU(s) of "
                         f"{gpu / GIB:.0f} GiB for training (weights, gradients and Adam state alone): use "
@@ -243,7 +257,8 @@ def check_budgets(s, cfg, gpu: int | None = None) -> None:
         limit = 0  # only checkpointing fits any budget
     if isinstance(asked, int) and asked > limit and (not checkpointing or fits.checkpointing):
         raise UserError(f"{key}={asked} does not fit this node's {gpu / GIB:.0f} GiB GPU(s) with "
-                        f"gradient checkpointing {'on' if checkpointing else 'off'} ({fits.why}): "
+                        f"gradient checkpointing {'on' if checkpointing else 'off'}"
+                        + (f" and {impl}'s tokens x tokens mask" if dense else "") + f" ({fits.why}): "
                         f"set it to at most {fits.tokens * factor}"
                         + (f" with {keys['model']}.enable_gradient_checkpointing=true" if fits.checkpointing else "")
                         + ", or drop it from ARGS to let preflight choose")

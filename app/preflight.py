@@ -145,8 +145,9 @@ def read_launch(job: str, settings: Settings) -> Launch:
 
 def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
     """The stack's own Hydra overrides for `s` (the user's ARGS are not among them: they come last).
-    CONFIG's keys come first: above the profile, below the settings."""
-    out: list[str] = list(s.config_layer)
+    Later wins: this node's choices (`extra`, app.perf) over the profile, CONFIG's keys over those, the
+    settings over CONFIG."""
+    out: list[str] = [*(extra or []), *s.config_layer]
     model = MODEL_KEY[s.job]
     if s.model_path is not None:
         out.append(f"{model}.path={hydra_value(s.model_path)}")
@@ -161,10 +162,23 @@ def stack_overrides(s: Launch, extra: list[str] | None = None) -> list[str]:
     ]
     if s.project:
         out.append(f"trainer.project_name={hydra_value(s.project)}")
-    out += extra or []
     if s.job == "grpo":
         out.append(f"ray_kwargs.ray_init.address={hydra_value(s.ray_address)}")
     return out
+
+
+def compose_with_choices(s: Launch):
+    """This node's choices (app.perf), the stack's overrides and the composed config (ARGS last). Where ARGS or
+    CONFIG pick an attention with a dense mask (sdpa, eager), the token budget is chosen again to hold it."""
+    from omegaconf import OmegaConf
+
+    choices, notes = perf.overrides(s.job, s)
+    cfg = compose(s.job, with_user_args(stack_overrides(s, choices), s.args))
+    impl = OmegaConf.select(cfg, f"{MODEL_KEY[s.job]}.override_config.attn_implementation")
+    if impl in perf.DENSE_MASK_IMPLS and f"{MODEL_KEY[s.job]}.override_config.attn_implementation={impl}" not in choices:
+        choices, notes = perf.overrides(s.job, s, chosen_attention=impl)
+        cfg = compose(s.job, with_user_args(stack_overrides(s, choices), s.args))
+    return choices, notes, stack_overrides(s, choices), cfg
 
 
 def with_user_args(stack: list[str], args: list[str], extra: list[str] | None = None) -> list[str]:
@@ -298,9 +312,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
                         "with config.json, the tokenizer files and the weights")
 
     # -- compose (ARGS included) and check the config itself
-    perf_overrides, perf_notes = perf.overrides(job, s)
-    overrides = stack_overrides(s, perf_overrides)
-    cfg = compose(job, with_user_args(overrides, s.args))
+    perf_overrides, perf_notes, overrides, cfg = compose_with_choices(s)
     notes += perf.notes_for(perf_notes, perf_overrides, cfg)
     warnings += userconfig.machine_warnings(job, settings, s)
     _check_config(s, cfg, notes, warnings)
@@ -473,6 +485,6 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
 
     s = read_launch(args.job, settings)
     check_profile_keys(args.job, settings)
-    cfg = compose(args.job, with_user_args(stack_overrides(s, perf.overrides(args.job, s)[0]), s.args))
+    cfg = compose_with_choices(s)[3]
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0

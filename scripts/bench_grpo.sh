@@ -69,7 +69,7 @@ for name in "${configs[@]}"; do
   esac
   log="$BENCH_DIR/$name.log"
   echo "== $name: ${cmd[*]}"
-  if [ -n "${BENCH_CHECK:-}" ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for our targets
+  if [ "${BENCH_CHECK:-0}" = 1 ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for our targets
     if [ "$name" = stock ]; then "${cmd[@]}" --cfg job > "$log" 2>&1; else "${cmd[@]}" DRY_RUN=1 > "$log" 2>&1; fi \
       || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
     continue
@@ -80,7 +80,7 @@ for name in "${configs[@]}"; do
   results+=("${line#BENCH }")
 done
 
-if [ -n "${BENCH_CHECK:-}" ]; then
+if [ "${BENCH_CHECK:-0}" = 1 ]; then
   [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
   echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
 fi

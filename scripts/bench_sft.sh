@@ -77,7 +77,7 @@ for label in "${configs[@]}"; do
          trainer.default_local_dir="$BENCH_DIR/ckpt-$name" "${extra[@]}")
   fi
   echo "== $name: ${cmd[*]}"
-  if [ -n "${BENCH_CHECK:-}" ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for `make sft`
+  if [ "${BENCH_CHECK:-0}" = 1 ]; then  # compose only: Hydra's --cfg job for verl itself, DRY_RUN for `make sft`
     if [[ $name == profile* ]]; then "${cmd[@]}" DRY_RUN=1 > "$log" 2>&1
     else $PYTHON -m verl.trainer.sft_trainer "${cmd[@]:8}" --cfg job > "$log" 2>&1; fi \
       || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
@@ -88,7 +88,7 @@ for label in "${configs[@]}"; do
   results+=("${line#BENCH }")
 done
 
-if [ -n "${BENCH_CHECK:-}" ]; then
+if [ "${BENCH_CHECK:-0}" = 1 ]; then
   [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
   echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
 fi

@@ -96,7 +96,7 @@ def test_gpu_1_adds_the_gpu_overlay_without_asking_the_engine(no_overlays, monke
     assert str(REPO / "compose.gpu.yaml") not in argv  # GPUs go to the GPU services only
 
 
-def test_compile_caches_live_in_the_persistent_home_so_later_runs_skip_the_compile(no_overlays, tmp_path):
+def test_compile_caches_live_in_the_persistent_home_not_in_the_containers_tmp(no_overlays, tmp_path):
     """Triton's and Inductor's caches inside the mounted HOME under STACK_HOME (kept on the host), not in the
     container's own /tmp, which every `docker compose run --rm` starts empty."""
     argv, _ = containers.plan("ray-head", ["grpo-head"], {}, REPO)

@@ -113,6 +113,18 @@ def test_config_file_sits_over_the_profile_and_under_args(env, tmp_path):
     assert cfg["optim"]["lr_scheduler_type"] == "cosine"
 
 
+def test_config_file_replaces_this_nodes_choices_and_preflight_says_what_runs(env, tmp_path):
+    """preflight's choices (attention, Liger, budget) sit under CONFIG: a file that picks sdpa gets sdpa, and no
+    FlexAttention warning."""
+    mine = write_yaml(tmp_path / "my.yaml", {"model": {"override_config": {"attn_implementation": "sdpa"}}})
+    cfg = composed(run_app("config", "sft", "--config", str(mine), env=env))
+    assert cfg["model"]["override_config"]["attn_implementation"] == "sdpa"
+    result = run_app("check", "sft", env={**env, "CONFIG": str(mine)})
+    assert result.returncode == 0, result.stderr
+    assert "ok: attention: model.override_config.attn_implementation=sdpa from ARGS or CONFIG" in result.stdout
+    assert "FlexAttention" not in result.stderr
+
+
 def test_verls_own_sft_entry_point_composes_the_config_file_layer_as_preflight_did(env, tmp_path):
     """The plan's exact arguments, given to verl.trainer.sft_trainer (`--cfg job`), yield the file's values."""
     mine = write_yaml(tmp_path / "my.yaml", {"optim": {"lr": 2e-5}, "model": {"override_config": {"rope_theta": 5e5}},

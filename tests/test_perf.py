@@ -108,6 +108,43 @@ def test_preflight_refuses_a_budget_that_cannot_fit_and_says_the_largest(sft_pla
     perf.check_budgets(plan.launch, plan.config, gpu=H200 * 2)  # a card twice an H200's size holds it
 
 
+def test_a_dense_mask_attention_gets_a_budget_that_holds_its_tokens_x_tokens_mask(tmp_path):
+    shape = shape_of("qwen2.5-1.5b", tmp_path)
+    for gpu in (H200, H100_80):
+        flex = perf.token_budget(shape, gpu, gpus=1)
+        dense = perf.token_budget(shape, gpu, gpus=1, dense_mask=True)
+        assert dense.tokens < flex.tokens and not dense.checkpointing
+        per_token = perf.ACT_BYTES_NO_CKPT * shape.layers * shape.hidden
+        static = shape.params * perf.TRAIN_BYTES_PER_PARAM
+        used = static + dense.tokens * per_token + perf.DENSE_MASK_BYTES * shape.layers * dense.tokens**2
+        assert used + perf.CONTEXT_BYTES <= gpu * perf.USABLE
+
+
+def test_sdpa_from_args_or_config_gets_the_smaller_budget_and_an_oversized_one_is_refused(sft_plan, monkeypatch):
+    """ARGS pick sdpa: preflight chooses the budget again with sdpa's mask in it (without a GPU here the
+    profile's budget stands, so the check is called with an H200's memory), and refuses one that cannot hold it."""
+    monkeypatch.setenv("ARGS", "model.override_config.attn_implementation=sdpa data.max_token_len_per_gpu=32768 "
+                               "model.enable_gradient_checkpointing=false")
+    plan = _preflight_sft()
+    with pytest.raises(UserError, match=r"32768 does not fit .* and sdpa's tokens x tokens mask .* at most \d+"):
+        perf.check_budgets(plan.launch, plan.config, gpu=H200)
+    monkeypatch.setenv("ARGS", "model.override_config.attn_implementation=flex_attention "
+                               "data.max_token_len_per_gpu=32768 model.enable_gradient_checkpointing=false")
+    perf.check_budgets(plan.launch, _preflight_sft().config, gpu=H200)  # the same budget holds without the mask
+
+
+def test_preflight_chooses_the_budget_again_when_args_pick_sdpa(sft_plan, monkeypatch):
+    monkeypatch.setattr(perf, "gpu_memory_bytes", lambda: H200)  # the card preflight would read with nvidia-smi
+    plan = _preflight_sft()
+    node_choice = plan.config.data.max_token_len_per_gpu
+    monkeypatch.setenv("ARGS", "model.override_config.attn_implementation=sdpa")
+    plan = _preflight_sft()
+    dense = perf.token_budget(perf.model_shape(sft_plan), H200, gpus=1, dense_mask=True)
+    assert plan.config.data.max_token_len_per_gpu == dense.tokens < node_choice
+    assert any(n.startswith(f"token budget: {dense.tokens} tokens per GPU") for n in plan.notes)
+    perf.check_budgets(plan.launch, plan.config, gpu=H200)  # and the check agrees that it fits
+
+
 def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan):
     plan = _preflight_sft()
     with pytest.raises(UserError, match="does not fit 1 GPU"):
