@@ -281,7 +281,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
-    untimed = f" (plus the cut-short attempts of {', '.join(resumed)} before they resumed)" if resumed else ""
+    untimed = f" (plus the earlier, cut-short attempts of {', '.join(resumed)}, not in that time)" if resumed else ""
     say(f"demo passed in {figures['total_seconds']:.0f}s of stages{untimed}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
         f"A1 = {a1:.1%} on {n} unseen test items (+{a1 - a0:.1%}, above the noise margin {margin:.1%} = "
         f"{Z:g} standard errors); plots in {root / 'grpo' / 'report'}, figures in {root / 'demo.json'}")

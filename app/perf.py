@@ -219,7 +219,7 @@ def notes_for(notes: list[Note], choices: list[str], cfg) -> list[str]:
     out = []
     for note in notes:
         composed = {key: OmegaConf.select(cfg, key) for key in note.keys}
-        replaced = [key for key in note.keys if str(composed[key]).lower() != chosen[key].lower()]
+        replaced = [key for key in note.keys if key in chosen and str(composed[key]).lower() != chosen[key].lower()]
         if not replaced:
             out.append(note.text)
             continue
