@@ -168,6 +168,11 @@ PERF_KEYS = {
 }
 
 
+def attention_key(job: str) -> str:
+    """The config key of the trainer's attention implementation for `job`."""
+    return f"{PERF_KEYS[job]['model']}.override_config.attn_implementation"
+
+
 @dataclass(frozen=True)
 class Note:
     text: str  # "attention: flex_attention (why)"
@@ -187,7 +192,7 @@ def overrides(job: str, s=None, chosen_attention: str | None = None) -> tuple[li
     """
     keys = PERF_KEYS[job]
     impl, why = attention()
-    attn_key = f"{keys['model']}.override_config.attn_implementation"
+    attn_key = attention_key(job)
     out = [f"{attn_key}={impl}"]
     notes = [Note(f"attention: {impl} ({why})", (attn_key,))]
     if job == "sft" and liger():  # measured for SFT only (docs/benchmarks.md)
@@ -241,7 +246,7 @@ def check_budgets(s, cfg, gpu: int | None = None) -> None:
         return
     keys = PERF_KEYS[s.job]
     checkpointing = bool(OmegaConf.select(cfg, f"{keys['model']}.enable_gradient_checkpointing"))
-    impl = OmegaConf.select(cfg, f"{keys['model']}.override_config.attn_implementation")
+    impl = OmegaConf.select(cfg, attention_key(s.job))
     dense = impl in DENSE_MASK_IMPLS
     gpus = s.gpus_per_node * s.nnodes
     # what fits, not what is fast

@@ -173,12 +173,16 @@ def compose_with_choices(s: Launch):
     from omegaconf import OmegaConf
 
     choices, notes = perf.overrides(s.job, s)
-    cfg = compose(s.job, with_user_args(stack_overrides(s, choices), s.args))
-    impl = OmegaConf.select(cfg, f"{MODEL_KEY[s.job]}.override_config.attn_implementation")
-    if impl in perf.DENSE_MASK_IMPLS and f"{MODEL_KEY[s.job]}.override_config.attn_implementation={impl}" not in choices:
-        choices, notes = perf.overrides(s.job, s, chosen_attention=impl)
-        cfg = compose(s.job, with_user_args(stack_overrides(s, choices), s.args))
-    return choices, notes, stack_overrides(s, choices), cfg
+    stack = stack_overrides(s, choices)
+    cfg = compose(s.job, with_user_args(stack, s.args))
+    impl = OmegaConf.select(cfg, perf.attention_key(s.job))
+    if impl in perf.DENSE_MASK_IMPLS:  # never this node's own choice: it came from ARGS or CONFIG
+        dense_choices, dense_notes = perf.overrides(s.job, s, chosen_attention=impl)
+        if dense_choices != choices:  # the budget changed (it stays where the GPU or the model is unknown)
+            choices, notes = dense_choices, dense_notes
+            stack = stack_overrides(s, choices)
+            cfg = compose(s.job, with_user_args(stack, s.args))
+    return choices, notes, stack, cfg
 
 
 def with_user_args(stack: list[str], args: list[str], extra: list[str] | None = None) -> list[str]:
@@ -370,12 +374,12 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                         "log-probs one token at a time (about 5k tokens/s on 1xH200, whatever the model); "
                         "keep the profile's true")
 
-    if sel(f"{model}.override_config.attn_implementation") == "flex_attention":
+    if sel(perf.attention_key(job)) == "flex_attention":
         # same seed, data and first loss, 300 SFT steps of a 2-layer model on 1xH200: val/loss 0.209 against
         # sdpa's 0.111 (docs/gpu-runs.md run 15); its forward on packed rows is right, its backward unchecked
         warnings.append(f"attention is FlexAttention (no flash-attn here): in one comparison it trained a small "
                         f"model worse than sdpa from the same start (docs/gpu-runs.md run 15, being checked); for "
-                        f"sdpa's slower, known-good kernel: ARGS='{model}.override_config.attn_implementation=sdpa'")
+                        f"sdpa's slower, known-good kernel: ARGS='{perf.attention_key(job)}=sdpa'")
 
     save_freq = sel("trainer.save_freq")
     if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
