@@ -26,49 +26,47 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def packed_sample_losses(model, samples, device, position_ids_mode: str = "restart", reduction: str = "mean"):
+    """verl's packed call (one row, position_ids restarting per sample, attention_mask=None) and each
+    sample's next-token loss from it, as tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.cat(samples).unsqueeze(0).to(device)
+    pos = torch.cat([torch.arange(len(s)) for s in samples]).unsqueeze(0).to(device)
+    # verl passes attention_mask=None; the control passes an all-ones mask, which turns off
+    # transformers' packed-sequence detection and so shows what a leak looks like
+    mask = None if position_ids_mode == "restart" else torch.ones_like(x)
+    logits = model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+    losses, start = [], 0
+    for ids in samples:
+        end = start + len(ids)
+        losses.append(F.cross_entropy(logits[0, start:end - 1], x[0, start + 1:end], reduction=reduction))
+        start = end
+    return losses
+
+
 def per_sample_losses(model, samples, device, packed: bool, position_ids_mode: str = "restart"):
     """Mean next-token loss of each sample, run packed into one row (verl's call) or one by one."""
     import torch
     import torch.nn.functional as F
 
-    losses = []
     with torch.no_grad():
-        if not packed:
-            for ids in samples:
-                x = ids.unsqueeze(0).to(device)
-                logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits.float()
-                losses.append(F.cross_entropy(logits[0, :-1], x[0, 1:]).item())
-            return losses
-        x = torch.cat(samples).unsqueeze(0).to(device)
-        pos = torch.cat([torch.arange(len(s)) for s in samples]).unsqueeze(0).to(device)
-        # verl passes attention_mask=None; the control passes an all-ones mask, which turns off
-        # transformers' packed-sequence detection and so shows what a leak looks like
-        mask = None if position_ids_mode == "restart" else torch.ones_like(x)
-        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
-        start = 0
+        if packed:
+            return [loss.item() for loss in packed_sample_losses(model, samples, device, position_ids_mode)]
+        losses = []
         for ids in samples:
-            end = start + len(ids)
-            losses.append(F.cross_entropy(logits[0, start:end - 1], x[0, start + 1:end]).item())
-            start = end
+            x = ids.unsqueeze(0).to(device)
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits.float()
+            losses.append(F.cross_entropy(logits[0, :-1], x[0, 1:]).item())
         return losses
 
 
 def packed_grads(model, samples, device, position_ids_mode: str = "restart") -> tuple[float, dict]:
     """Loss and parameter gradients of one training step on the packed row (verl's call), mean over tokens."""
-    import torch
-    import torch.nn.functional as F
-
     model.zero_grad(set_to_none=True)
-    x = torch.cat(samples).unsqueeze(0).to(device)
-    pos = torch.cat([torch.arange(len(s)) for s in samples]).unsqueeze(0).to(device)
-    mask = None if position_ids_mode == "restart" else torch.ones_like(x)
-    logits = model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
-    total, start = 0.0, 0
-    for ids in samples:
-        end = start + len(ids)
-        total = total + F.cross_entropy(logits[0, start:end - 1], x[0, start + 1:end], reduction="sum")
-        start = end
-    loss = total / sum(len(ids) - 1 for ids in samples)
+    sums = packed_sample_losses(model, samples, device, position_ids_mode, reduction="sum")
+    loss = sum(sums) / sum(len(ids) - 1 for ids in samples)
     loss.backward()
     return loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
