@@ -14,7 +14,7 @@ Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ 
 A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped, and a
 GRPO stage that was cut short continues from its last checkpoint (one every 10 steps), or, where that is its
 last step, is not started again.
-Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 20), DEMO_UNTIL=<stage> (stop after
+Settings: DEMO_DIR, DEMO_SFT_STEPS (default 300), DEMO_GRPO_STEPS (default 16), DEMO_UNTIL=<stage> (stop after
 it, e.g. eval-sft: the SFT half; a rerun goes on from there), FRESH=1 (rerun every stage), DRY_RUN=1 (print
 the plan).
 """
@@ -35,14 +35,14 @@ from app.smoke import Stage, gpu_count, read_losses, run_stage
 
 # SFT of a random 2-layer model on the arith task: a big constant lr (random weights, not a pretrained
 # model), short sequences. Measured on 1xH200 (docs/gpu-runs.md): held-out accuracy 79.5% after 300 steps
-# (run 14; with FlexAttention 2.7% after 100, 6.7% after 200, 56% after 300: runs 5 and 15). The demo stops
-# there on purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 88.8% in run 14).
-# sdpa and no Liger for a 2-layer model: FlexAttention's and Liger's kernels compile on first use (the first
-# SFT step took 37 s in run 5, the first GRPO old log-prob 34 s in run 11: docs/gpu-runs.md), more than they can save on a
-# model this small, and with FlexAttention the same 300 steps learned less (run 15); sdpa keeps packed samples
-# apart too (app/perf.py).
+# (run 14, sdpa; 80.4% with eager, 70.6% with sdpa and another sampler seed: run 17). The demo stops there on
+# purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 88.8% in run 14).
+# Eager attention and no Liger for a 2-layer model: eager trained as sdpa did (val/loss 0.110 against 0.111)
+# in 45 s instead of 72 (run 17), and FlexAttention's and Liger's kernels compile on first use (37 s for the
+# first SFT step in run 5, 34 s for the first GRPO old log-prob in run 11), more than they save on a model this
+# small. Eager keeps packed samples apart (scripts/packing_check.py).
 SFT_ARGS = [
-    "model.override_config.attn_implementation=sdpa",
+    "model.override_config.attn_implementation=eager",
     "model.use_liger=False",
     "data.train_batch_size=64",
     "data.micro_batch_size_per_gpu=64",
@@ -60,7 +60,7 @@ SFT_ARGS = [
 # responses (`#### <sum>` is a few tokens), no prompt-length filter (every arith prompt is 48-50 tokens with the tiny tokenizer),
 # and vLLM in eager mode (its compile and CUDA-graph capture cost minutes that a tiny model never recovers).
 GRPO_ARGS = [
-    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.model.override_config.attn_implementation=eager",
     "data.train_batch_size=64",
     "data.max_prompt_length=64",
     "data.max_response_length=16",

@@ -108,9 +108,9 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
                                         "merge-grpo", "eval-grpo", "report"]
 
 
-def test_demo_training_stages_pass_preflight_with_sdpa_for_the_tiny_model(tmp_path, monkeypatch):
+def test_demo_training_stages_pass_preflight_with_eager_for_the_tiny_model(tmp_path, monkeypatch):
     """`python -m app check` with each training stage's own settings: the profile, the demo's ARGS and verl's
-    validate_config (GRPO) compose into a config that passes, and preflight says sdpa is the demo's choice."""
+    validate_config (GRPO) compose into a config that passes, and preflight says eager is the demo's choice."""
     from app import demo
     from app.settings import load
     from app.smoke import child_env, run_stage
@@ -128,7 +128,7 @@ def test_demo_training_stages_pass_preflight_with_sdpa_for_the_tiny_model(tmp_pa
         result = subprocess.run([sys.executable, "-m", "app", "check", job], env=env, capture_output=True,
                                 text=True, cwd=REPO)
         assert result.returncode == 0, result.stderr[-2000:]
-        assert f"ok: attention: {key}.override_config.attn_implementation=sdpa from ARGS or CONFIG" in result.stdout
+        assert f"ok: attention: {key}.override_config.attn_implementation=eager from ARGS or CONFIG" in result.stdout
         assert f"preflight {job}: passed" in result.stdout
 
 
