@@ -376,10 +376,12 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
 
     if sel(perf.attention_key(job)) == "flex_attention":
         # same seed, data and first loss, 300 SFT steps of a 2-layer model on 1xH200: val/loss 0.209 against
-        # sdpa's 0.111 (docs/gpu-runs.md run 15); its forward on packed rows is right, its backward unchecked
+        # sdpa's 0.111 and eager's 0.110 (another sampler seed with sdpa: 0.137), although one training step's
+        # gradients on a packed row match sdpa's and eager's (docs/gpu-runs.md runs 15-17): unexplained, so said
         warnings.append(f"attention is FlexAttention (no flash-attn here): in one comparison it trained a small "
-                        f"model worse than sdpa from the same start (docs/gpu-runs.md run 15, being checked); for "
-                        f"sdpa's slower, known-good kernel: ARGS='{perf.attention_key(job)}=sdpa'")
+                        f"model worse than sdpa and eager from the same start, though its gradients match theirs "
+                        f"(docs/gpu-runs.md runs 15-17); for sdpa's slower kernel: "
+                        f"ARGS='{perf.attention_key(job)}=sdpa'")
 
     save_freq = sel("trainer.save_freq")
     if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
