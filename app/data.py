@@ -8,6 +8,7 @@ Python API (the preflight of `sft`/`grpo-head` calls these):
   - `fix_parquet(path, out, kind=None) -> CheckReport`: string prompts -> one-message chat lists.
   - `prep_gsm8k(source=None, data_dir="data") -> dict[name, Path]`; `prep_arith(data_dir="data")`.
   - `routed_data_sources()`: the data_source names verl's default scorer knows.
+  - `prompt_lengths(path, tokenizer, ...)`: each RL prompt's token count as verl's length filter counts it.
 """
 
 from __future__ import annotations
@@ -369,6 +370,27 @@ def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
     """
     path = Path(path)
     return check_table(_read_table(path), kind, str(path))
+
+
+def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt",
+                   template_kwargs: dict | None = None, chunk: int = 4096) -> list[int]:
+    """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the
+    chat template with the generation prompt, tokenized without special tokens. Written here because verl
+    counts row by row in `datasets.filter` (single process by default) at every start; a fast tokenizer
+    encodes a chunk of rows in one call."""
+    import pyarrow.parquet as pq
+
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("tokenize", "return_dict",
+                                                                              "return_tensors")}
+    with pq.ParquetFile(path) as parquet:
+        rows = parquet.read(columns=[prompt_key]).column(prompt_key).to_pylist()
+    lengths: list[int] = []
+    for start in range(0, len(rows), chunk):
+        texts = tokenizer.apply_chat_template(rows[start:start + chunk], add_generation_prompt=True,
+                                              tokenize=False, **kwargs)
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        lengths += [len(ids) for ids in encoded]
+    return lengths
 
 
 def _chat_from_string(text: str | None) -> list[dict] | None:

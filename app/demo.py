@@ -57,14 +57,14 @@ SFT_ARGS = [
 
 # GRPO from the SFT model: 64 prompts x 8 samples a step (a step's rollout time follows its sample count:
 # 8 s for 1,024 on 1xH200, docs/gpu-runs.md run 9), two updates per step, an lr for a tiny model, short
-# responses (`#### <sum>` is a few tokens), no prompt-length filter (every arith prompt is 48-50 tokens with the tiny tokenizer),
-# and vLLM in eager mode (its compile and CUDA-graph capture cost minutes that a tiny model never recovers).
+# responses (`#### <sum>` is a few tokens), prompts of 48-50 tokens with the tiny tokenizer (preflight counts
+# them and so turns verl's length filter off), and vLLM in eager mode (its compile and CUDA-graph capture cost
+# minutes that a tiny model never recovers).
 GRPO_ARGS = [
     "actor_rollout_ref.model.override_config.attn_implementation=eager",
     "data.train_batch_size=64",
     "data.max_prompt_length=64",
     "data.max_response_length=16",
-    "data.filter_overlong_prompts=False",
     "data.val_max_samples=64",
     "actor_rollout_ref.rollout.n=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=32",

@@ -335,6 +335,11 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
             warnings.append(overlap)
     elif job == "sft":
         warnings.append(f"no validation file ({s.val_file} missing): SFT runs without val/loss")
+    if job == "grpo":
+        chosen = _check_prompt_lengths(s, cfg, [("train", train), *([("val", Path(str(val)))] if val else [])],
+                                       notes, warnings)
+        if chosen:  # this node's choice: under CONFIG and ARGS, like app.perf's (which left the key alone)
+            overrides = [chosen, *overrides]
 
     if deep and job == "grpo":
         verl_validate(cfg)
@@ -448,6 +453,67 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                             f"raise it to at least {seq}")
     notes.append(f"GRPO: {nnodes} node(s) x {gpn} GPU(s), batch {batch} x n={n}, rollout {name} TP={tp}, "
                  f"save every {sel('trainer.save_freq')} steps")
+
+
+FILTER_KEY = "data.filter_overlong_prompts"
+
+
+def _sets_key(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def _check_prompt_lengths(s: Launch, cfg, files: list[tuple[str, Path]], notes: list[str],
+                          warnings: list[str]) -> str | None:
+    """Count the RL prompts' tokens once, here, with the model's chat template. verl 0.9.1 left-truncates a
+    prompt longer than data.max_prompt_length (agent_loop._cap_text_prompt_length; data.truncation is read but
+    unused), so with its filter off such a prompt silently loses its beginning: refused. With the filter on and
+    every prompt fitting, the filter (row by row at every start) is turned off: returns that override."""
+    from omegaconf import OmegaConf
+
+    limit = OmegaConf.select(cfg, "data.max_prompt_length")
+    filtering = bool(OmegaConf.select(cfg, FILTER_KEY))
+    if (s.model_path / "preprocessor_config.json").exists() or OmegaConf.select(cfg, "data.tool_config_path"):
+        return None  # images or tool schemas change the count: verl's own filter decides
+    from transformers import AutoTokenizer
+
+    from app.data import prompt_lengths
+
+    trust = bool(OmegaConf.select(cfg, f"{MODEL_KEY[s.job]}.trust_remote_code"))
+    template_kwargs = OmegaConf.select(cfg, "data.apply_chat_template_kwargs")
+    kwargs = OmegaConf.to_container(template_kwargs) if template_kwargs is not None else {}
+    key = OmegaConf.select(cfg, "data.prompt_key") or "prompt"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(s.model_path), trust_remote_code=trust)
+        counts = [(what, path, prompt_lengths(path, tokenizer, key, kwargs)) for what, path in files]
+    except (OSError, ValueError, KeyError, ImportError) as exc:  # a tokenizer or template verl trips over too
+        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}): "
+                        f"verl's filter ({FILTER_KEY}={filtering}) decides")
+        return None
+    longest = max(max(lengths, default=0) for _, _, lengths in counts)
+    over = [(what, sum(n > limit for n in lengths), len(lengths)) for what, _, lengths in counts]
+    summary = " and ".join(f"{total} {what}" for what, _, total in over)
+    if not any(n for _, n, _ in over):
+        note = f"prompt lengths: longest {longest} tokens of {summary} prompts, within data.max_prompt_length={limit}"
+        if filtering and not _sets_key([*s.args, *s.config_layer], FILTER_KEY):
+            notes.append(f"{note}: verl's length filter at every start skipped ({FILTER_KEY}=False)")
+            OmegaConf.update(cfg, FILTER_KEY, False)
+            return f"{FILTER_KEY}=False"
+        notes.append(note)
+        return None
+    cut = ", ".join(f"{n} of {total} {what}" for what, n, total in over if n)
+    if not filtering:
+        raise UserError(f"{cut} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens) "
+                        f"and {FILTER_KEY} is off: verl 0.9.1 would cut off their beginnings; raise "
+                        f"data.max_prompt_length to {longest} or ARGS='{FILTER_KEY}=True' to drop them")
+    batch = OmegaConf.select(cfg, "data.train_batch_size")
+    left = over[0][2] - over[0][1]
+    if left < batch:
+        raise UserError(f"verl's length filter would leave {left} train prompts (data.max_prompt_length={limit}, "
+                        f"longest {longest} tokens), fewer than data.train_batch_size={batch}: no step would run; "
+                        f"raise data.max_prompt_length to {longest}")
+    warnings.append(f"{cut} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens): "
+                    f"verl's filter drops them at start; raise data.max_prompt_length to keep them")
+    return None
 
 
 def _attention_heads(model_path: Path | None) -> int | None:

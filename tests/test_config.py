@@ -331,3 +331,62 @@ def test_shipped_profiles_only_use_keys_verl_declares():
     for job in ("sft", "grpo"):
         composition.check_profile_keys(job)  # raises on a key verl's packaged config lacks
     assert (REPO / "configs" / "sft.yaml").is_file()
+
+
+# --- prompt lengths: counted once by preflight with the model's chat template ------------------------------
+def write_rl_of_lengths(path: Path, words: list[int], start: int = 0) -> Path:
+    """An RL parquet whose prompts grow by `words[i]` extra words each (so their token counts differ)."""
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({
+        "data_source": ["openai/gsm8k"] * len(words),
+        "prompt": [[{"role": "user", "content": f"What is {i} + 1?" + " and" * n}]
+                   for i, n in enumerate(words, start)],
+        "reward_model": [{"style": "rule", "ground_truth": str(i + 1)} for i in range(start, start + len(words))],
+    }).to_parquet(path)
+    return path
+
+
+def lengths_of(path: Path, model: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from app.data import prompt_lengths
+
+    return prompt_lengths(path, AutoTokenizer.from_pretrained(model))
+
+
+def test_preflight_turns_verls_length_filter_off_when_every_prompt_fits(launch_env, monkeypatch):
+    plan = plan_of("grpo")
+    assert plan.overrides[0] == "data.filter_overlong_prompts=False"  # under CONFIG and ARGS
+    assert plan.config.data.filter_overlong_prompts is False
+    assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "8 train and 8 val prompts" in n
+            and "filter at every start skipped" in n]
+    # a user who asks for the filter keeps it, and the count is still said
+    monkeypatch.setenv("ARGS", "data.filter_overlong_prompts=True")
+    plan = plan_of("grpo")
+    assert plan.config.data.filter_overlong_prompts is True
+    assert "data.filter_overlong_prompts=False" not in plan.hydra_overrides()
+    assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "skipped" not in n]
+
+
+def test_preflight_refuses_prompts_verl_would_truncate_with_the_filter_off(launch_env, monkeypatch, tmp_path,
+                                                                          tiny_model_dir):
+    train = write_rl_of_lengths(tmp_path / "train.parquet", [0, 0, 40, 0, 80, 0])
+    write_rl_of_lengths(tmp_path / "val.parquet", [0, 0], start=6)  # as short as the short train rows
+    lengths = lengths_of(train, tiny_model_dir)
+    limit = sorted(lengths)[3]  # the two long ones are over it
+    env = {**launch_env, "TRAIN_FILE": str(train), "VAL_FILE": str(tmp_path / "val.parquet"),
+           "ARGS": f"data.max_prompt_length={limit} data.filter_overlong_prompts=False"}
+    line = assert_one_line_error(run_app("check", "grpo", env=env))
+    assert (f"2 of 6 train prompts are longer than data.max_prompt_length={limit} (longest {max(lengths)} tokens)"
+            in line and "cut off their beginnings" in line and f"raise data.max_prompt_length to {max(lengths)}" in line)
+    # with verl's filter on, the same prompts are dropped at start: said, and passed where enough are left
+    env["ARGS"] = f"data.max_prompt_length={limit} data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4"
+    result = run_app("check", "grpo", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "2 of 6 train prompts are longer than" in result.stderr and "verl's filter drops them" in result.stderr
+    # and refused where the filter would leave fewer prompts than one batch
+    env["ARGS"] = f"data.max_prompt_length={limit} data.train_batch_size=5 actor_rollout_ref.actor.ppo_mini_batch_size=5"
+    line = assert_one_line_error(run_app("check", "grpo", env=env))
+    assert "would leave 4 train prompts" in line and "fewer than data.train_batch_size=5" in line

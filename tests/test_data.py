@@ -115,6 +115,29 @@ def test_prepared_rl_parquet_loads_through_verls_rl_dataset(prepared, tiny_model
     assert item["reward_model"]["ground_truth"] == gsm8k_ground_truth(item["extra_info"]["answer"])
 
 
+def test_prompt_lengths_count_what_verls_length_filter_counts(prepared, tiny_model_dir, tmp_path):
+    """app.data.prompt_lengths (batched, preflight) against verl's own RLHFDataset filter (row by row): at a
+    limit that splits the GSM8K train prompts, verl keeps exactly the rows our counts put within it."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from app.data import prompt_lengths
+
+    data_dir, _ = prepared
+    train = data_dir / "gsm8k" / "train.parquet"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = prompt_lengths(train, tokenizer, chunk=1000)  # several chunks
+    assert len(lengths) == 7473
+    limit = sorted(lengths)[len(lengths) // 2]
+    kept = sum(n <= limit for n in lengths)
+    assert 0 < kept < len(lengths)
+    dataset = RLHFDataset(str(train), tokenizer, OmegaConf.create({
+        "cache_dir": str(tmp_path / "cache"), "max_prompt_length": limit, "filter_overlong_prompts": True,
+        "filter_overlong_prompts_workers": 1}))
+    assert len(dataset) == kept
+
+
 def test_prepared_sft_parquet_loads_through_verls_sft_dataset(prepared, tiny_model_dir):
     """verl's sft_trainer dataset (MultiTurnSFTDataset via create_sft_dataset, its packaged data
     config): every test row tokenizes within max_length, and the loss covers exactly the answer."""
