@@ -60,6 +60,9 @@ for name in "${configs[@]}"; do
                profile-gmu8) extra=actor_rollout_ref.rollout.gpu_memory_utilization=0.8 ;;
                profile-mnbt) extra=actor_rollout_ref.rollout.max_num_batched_tokens=32768 ;;
                profile-uni) extra=+actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni ;;
+               # 2 agent-loop and 2 reward workers instead of verl's 8 + 8 Ray actors, each a Python process that
+               # imports verl (and the agent loop's vLLM client) while vLLM starts on the same CPUs
+               profile-workers2) extra="actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2" ;;
                *) echo "unknown config $name" >&2; exit 2 ;;
              esac
              cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
