@@ -372,24 +372,37 @@ def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
     return check_table(_read_table(path), kind, str(path))
 
 
-def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt",
-                   template_kwargs: dict | None = None, chunk: int = 4096) -> list[int]:
+def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", template_kwargs: dict | None = None,
+                   chunk: int = 4096, failed: int | None = None) -> list[int]:
     """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the
     chat template with the generation prompt, tokenized without special tokens. Written here because verl
     counts row by row in `datasets.filter` (single process by default) at every start; a fast tokenizer
-    encodes a chunk of rows in one call."""
+    encodes a chunk of rows in one call. A chunk that fails is counted row by row, and a row whose template
+    fails counts as `failed` (verl's filter drops it: it counts max_prompt_length + 1)."""
     import pyarrow.parquet as pq
 
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("tokenize", "return_dict",
                                                                               "return_tensors")}
+
+    def count(rows: list) -> list[int]:
+        texts = tokenizer.apply_chat_template(rows, add_generation_prompt=True, tokenize=False, **kwargs)
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]]
+
     with pq.ParquetFile(path) as parquet:
         rows = parquet.read(columns=[prompt_key]).column(prompt_key).to_pylist()
     lengths: list[int] = []
     for start in range(0, len(rows), chunk):
-        texts = tokenizer.apply_chat_template(rows[start:start + chunk], add_generation_prompt=True,
-                                              tokenize=False, **kwargs)
-        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        lengths += [len(ids) for ids in encoded]
+        part = rows[start:start + chunk]
+        try:
+            lengths += count(part)
+        except Exception:  # noqa: BLE001 - a template's raise_exception, a row it cannot render: as verl, per row
+            if failed is None:
+                raise
+            for row in part:
+                try:
+                    lengths += count([row])
+                except Exception:  # noqa: BLE001
+                    lengths.append(failed)
     return lengths
 
 

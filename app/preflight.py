@@ -462,37 +462,79 @@ def _sets_key(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
+# apply_chat_template arguments that change how verl tokenizes (its tokenize=True path) or that clash with the
+# count's own: where the user passes one, verl's filter decides
+_TOKENIZING_KWARGS = {"add_generation_prompt", "truncation", "max_length", "padding", "tokenizer_kwargs",
+                      "continue_final_message", "return_assistant_tokens_mask"}
+
+
+def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]:
+    """The rows verl's RLHFDataset keeps before its filter (data.train_max_samples / val_max_samples)."""
+    if not max_samples or max_samples <= 0 or max_samples >= len(lengths):
+        return lengths
+    if not shuffle:
+        return lengths[:max_samples]
+    import numpy as np  # verl's own selection (rl_dataset.py), so that the same rows are counted
+
+    rng = np.random.default_rng(*((seed,) if seed is not None else ()))
+    return [lengths[i] for i in rng.choice(len(lengths), size=max_samples, replace=False).tolist()]
+
+
 def _check_prompt_lengths(s: Launch, cfg, files: list[tuple[str, Path]], notes: list[str],
                           warnings: list[str]) -> str | None:
-    """Count the RL prompts' tokens once, here, with the model's chat template. verl 0.9.1 left-truncates a
-    prompt longer than data.max_prompt_length (agent_loop._cap_text_prompt_length; data.truncation is read but
-    unused), so with its filter off such a prompt silently loses its beginning: refused. With the filter on and
-    every prompt fitting, the filter (row by row at every start) is turned off: returns that override."""
+    """Count the RL prompts' tokens with the tokenizer and chat template verl will use. verl 0.9.1 left-truncates
+    a prompt longer than actor_rollout_ref.rollout.prompt_length (agent_loop._cap_text_prompt_length;
+    data.truncation is read but unused on the RL path), so a prompt that would reach the rollout that long is
+    refused. Its filter drops rows over data.max_prompt_length: said, and refused where less than a batch (or no
+    val row) is left. With the filter on and every prompt fitting, the filter (row by row at every start) is
+    turned off: returns that override."""
     from omegaconf import OmegaConf
 
-    limit = OmegaConf.select(cfg, "data.max_prompt_length")
-    filtering = bool(OmegaConf.select(cfg, FILTER_KEY))
-    if (s.model_path / "preprocessor_config.json").exists() or OmegaConf.select(cfg, "data.tool_config_path"):
-        return None  # images or tool schemas change the count: verl's own filter decides
+    sel = functools.partial(OmegaConf.select, cfg)
+    model = MODEL_KEY[s.job]
+    limit = sel("data.max_prompt_length")
+    cut_at = sel("actor_rollout_ref.rollout.prompt_length") or limit
+    filtering = bool(sel(FILTER_KEY))
+    template_kwargs = sel("data.apply_chat_template_kwargs")
+    kwargs = OmegaConf.to_container(template_kwargs) if template_kwargs is not None else {}
+    tokenizer_dir = Path(str(sel(f"{model}.tokenizer_path") or sel(f"{model}.path") or s.model_path))
+    skip = ("data.tool_config_path" if sel("data.tool_config_path") else
+            "data.function_tool_path" if sel("data.function_tool_path") else
+            "data.custom_cls.path" if sel("data.custom_cls.path") else
+            "a multimodal processor" if (tokenizer_dir / "preprocessor_config.json").exists() else
+            "data.apply_chat_template_kwargs" if _TOKENIZING_KWARGS & set(kwargs) else None)
+    if skip:
+        notes.append(f"prompt lengths: not counted ({skip} changes how verl counts): verl's filter decides")
+        return None
     from transformers import AutoTokenizer
 
     from app.data import prompt_lengths
 
-    trust = bool(OmegaConf.select(cfg, f"{MODEL_KEY[s.job]}.trust_remote_code"))
-    template_kwargs = OmegaConf.select(cfg, "data.apply_chat_template_kwargs")
-    kwargs = OmegaConf.to_container(template_kwargs) if template_kwargs is not None else {}
-    key = OmegaConf.select(cfg, "data.prompt_key") or "prompt"
+    key = sel("data.prompt_key") or "prompt"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(s.model_path), trust_remote_code=trust)
-        counts = [(what, path, prompt_lengths(path, tokenizer, key, kwargs)) for what, path in files]
-    except (OSError, ValueError, KeyError, ImportError) as exc:  # a tokenizer or template verl trips over too
-        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}): "
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
+        if sel(f"{model}.custom_chat_template"):
+            tokenizer.chat_template = sel(f"{model}.custom_chat_template")
+        counts = [(what, prompt_lengths(path, tokenizer, key, kwargs, failed=limit + 1)) for what, path in files]
+    except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
+        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}): "
                         f"verl's filter ({FILTER_KEY}={filtering}) decides")
         return None
-    longest = max(max(lengths, default=0) for _, _, lengths in counts)
-    over = [(what, sum(n > limit for n in lengths), len(lengths)) for what, _, lengths in counts]
-    summary = " and ".join(f"{total} {what}" for what, _, total in over)
-    if not any(n for _, n, _ in over):
+    shuffle, seed = bool(sel("data.shuffle")), sel("data.seed")
+    counts = [(what, _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed)) for what, lengths in counts]
+    longest = max(max(lengths, default=0) for _, lengths in counts)
+    summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts)
+    kept = [(what, [n for n in lengths if n <= limit] if filtering else lengths) for what, lengths in counts]
+    cut = ", ".join(f"{sum(n > cut_at for n in lengths)} of {len(lengths)} {what}" for what, lengths in kept
+                    if any(n > cut_at for n in lengths))
+    if cut:
+        drop = "" if filtering else f" or ARGS='{FILTER_KEY}=True' to drop them"
+        raise UserError(f"{cut} prompts are longer than actor_rollout_ref.rollout.prompt_length={cut_at} (longest "
+                        f"{longest} tokens){'' if filtering else f' and {FILTER_KEY} is off'}: verl 0.9.1 would cut "
+                        f"off their beginnings; raise data.max_prompt_length (and rollout.prompt_length where set) "
+                        f"to {longest}{drop}")
+    dropped = [(what, len(lengths) - len(k)) for (what, lengths), (_, k) in zip(counts, kept)]
+    if not any(n for _, n in dropped):
         note = f"prompt lengths: longest {longest} tokens of {summary} prompts, within data.max_prompt_length={limit}"
         if filtering and not _sets_key([*s.args, *s.config_layer], FILTER_KEY):
             notes.append(f"{note}: verl's length filter at every start skipped ({FILTER_KEY}=False)")
@@ -500,18 +542,16 @@ def _check_prompt_lengths(s: Launch, cfg, files: list[tuple[str, Path]], notes: 
             return f"{FILTER_KEY}=False"
         notes.append(note)
         return None
-    cut = ", ".join(f"{n} of {total} {what}" for what, n, total in over if n)
-    if not filtering:
-        raise UserError(f"{cut} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens) "
-                        f"and {FILTER_KEY} is off: verl 0.9.1 would cut off their beginnings; raise "
-                        f"data.max_prompt_length to {longest} or ARGS='{FILTER_KEY}=True' to drop them")
-    batch = OmegaConf.select(cfg, "data.train_batch_size")
-    left = over[0][2] - over[0][1]
-    if left < batch:
-        raise UserError(f"verl's length filter would leave {left} train prompts (data.max_prompt_length={limit}, "
-                        f"longest {longest} tokens), fewer than data.train_batch_size={batch}: no step would run; "
+    batch = sel("data.train_batch_size")
+    left = {what: len(k) for what, k in kept}
+    if left["train"] < batch or left.get("val", 1) == 0:
+        what = "train" if left["train"] < batch else "val"
+        raise UserError(f"verl's length filter would leave {left[what]} {what} prompts (data.max_prompt_length={limit}, "
+                        f"longest {longest} tokens)"
+                        f"{f', fewer than data.train_batch_size={batch}: no step would run' if what == 'train' else ''}; "
                         f"raise data.max_prompt_length to {longest}")
-    warnings.append(f"{cut} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens): "
+    gone = ", ".join(f"{n} of {len(lengths)} {what}" for (what, lengths), (_, n) in zip(counts, dropped) if n)
+    warnings.append(f"{gone} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens): "
                     f"verl's filter drops them at start; raise data.max_prompt_length to keep them")
     return None
 
@@ -552,7 +592,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         report(plan)
         say(f"preflight {job}: passed (run dir {plan.launch.run_dir})")
         return 0
-    # config: print what verl will see, without the checks (MODEL_PATH may still be unset)
+    # config: print what verl will see, without the checks (MODEL_PATH may still be unset); the one data-dependent
+    # choice, data.filter_overlong_prompts=False where every prompt fits, is made by preflight and said there
     from omegaconf import OmegaConf
 
     s = read_launch(args.job, settings)

@@ -1,10 +1,10 @@
 """Benchmark: counting the GRPO prompts' tokens, verl 0.9.1's way against preflight's, in one run.
 
-verl's RLHFDataset, with data.filter_overlong_prompts on (the packaged default), tokenizes every prompt of the
+verl's RLHFDataset, with data.filter_overlong_prompts on (the profile's value; verl's packaged one is off), tokenizes every prompt of the
 train and val files row by row in `datasets.filter` at every start of `make grpo-head`, with
 filter_overlong_prompts_workers processes (1 in verl's packaged config). Preflight now counts them once with
 `app.data.prompt_lengths` (a chunk of rows per tokenizer call) and, where all fit, turns verl's filter off.
-Both count the same tokens (tests/test_data.py proves it); this times them on the same files and tokenizer,
+Both count the same tokens (tests/test_data.py checks it on GSM8K with the tiny tokenizer); this times them on the same files and tokenizer,
 each in a fresh process, several times: verl's dataset with the filter on and off (the difference is what the
 filter costs at every start) and preflight's count; one BENCH line per method, and the ratio.
 

@@ -414,3 +414,22 @@ def test_fix_never_overwrites_without_force(tmp_path):
     assert "new path" in assert_one_line_error(run_app("data", "check", str(source), "--fix", str(source)))
     assert run_app("data", "check", str(source), "--fix", str(out), env={"FORCE": "1"}).returncode == 0
     assert pq.read_metadata(out).num_rows == 2
+
+
+def test_prompt_lengths_count_a_row_the_template_refuses_as_verl_does(tmp_path, tiny_model_dir):
+    """verl's filter counts a row whose chat template fails as max_prompt_length + 1 (dropped); so does the count,
+    and the other rows of that chunk keep their own lengths."""
+    from transformers import AutoTokenizer
+
+    from app.data import prompt_lengths
+
+    path = tmp_path / "rl.parquet"
+    rl_frame(prompt=[[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "bad"}]],
+             reward_model=[{"style": "rule", "ground_truth": "2"}] * 2).to_parquet(path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    good = prompt_lengths(path, tokenizer)[0]
+    loop = "{%- for message in messages %}"
+    assert loop in tokenizer.chat_template
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        loop, loop + "{% if message['content'] == 'bad' %}{{ raise_exception('no') }}{% endif %}", 1)
+    assert prompt_lengths(path, tokenizer, failed=513) == [good, 513]
