@@ -6,7 +6,8 @@ training):
     prep -> tiny-model -> sft -> merge -> eval (A0) -> grpo-head from the SFT model -> merge -> eval (A1) -> report
 
 Every stage is the CLI command a user runs (`python -m app sft`, `... grpo-head`, `... merge`, `... eval`),
-started as a subprocess with the demo's own settings, as `make smoke` does. It passes only if GRPO's
+started as a subprocess with the demo's own settings, as `make smoke` does. The eval of the SFT model runs
+beside GRPO's start-up (its output in DEMO_DIR/eval-sft.log). It passes only if GRPO's
 reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy_margin`).
 
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/, grpo/
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +34,12 @@ from pathlib import Path
 from app import runs
 from app.common import UserError, atomic_path, say
 from app.settings import Settings
-from app.smoke import Stage, gpu_count, read_losses, run_stage
+from app.smoke import Stage, child_env, gpu_count, read_losses, run_stage, stage_failed
 
 # SFT of a random 2-layer model on the arith task: a big constant lr (random weights, not a pretrained
 # model), short sequences. Measured on 1xH200 (docs/gpu-runs.md): held-out accuracy 79.5% after 300 steps
-# (run 14, sdpa; 80.4% with eager, 70.6% with sdpa and another sampler seed: run 17). The demo stops there on
-# purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 88.8% in run 14).
+# (run 14, sdpa; 80.4% with eager in runs 17 and 18, 70.6% with sdpa and another sampler seed: run 17). The
+# demo stops there on purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 94.0% in run 18).
 # Eager attention and no Liger for a 2-layer model: eager trained as sdpa did (val/loss 0.110 against 0.111)
 # in 45 s instead of 72 (run 17), and FlexAttention's and Liger's kernels compile on first use (37 s for the
 # first SFT step in run 5, 34 s for the first GRPO old log-prob in run 11), more than they save on a model this
@@ -59,7 +62,10 @@ SFT_ARGS = [
 # 8 s for 1,024 on 1xH200, docs/gpu-runs.md run 9), two updates per step, an lr for a tiny model, short
 # responses (`#### <sum>` is a few tokens), prompts of 48-50 tokens with the tiny tokenizer (preflight counts
 # them and so turns verl's length filter off), and vLLM in eager mode (its compile and CUDA-graph capture cost
-# minutes that a tiny model never recovers).
+# minutes that a tiny model never recovers). 2 agent-loop and 2 reward workers instead of verl's 8 + 8: each is
+# a Ray actor that imports vLLM and verl inside the first step (44 s against 9 s for the others in run 18),
+# and 512 short requests a step need no more (they ran at the 0.5B shape in run 19; their effect on the
+# demo's time is not measured yet).
 GRPO_ARGS = [
     "actor_rollout_ref.model.override_config.attn_implementation=eager",
     "data.train_batch_size=64",
@@ -71,6 +77,8 @@ GRPO_ARGS = [
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",
+    "actor_rollout_ref.rollout.agent.num_workers=2",
+    "reward.num_workers=2",
     "trainer.test_freq=-1",
     "trainer.logger=[console,file]",
 ]
@@ -80,6 +88,10 @@ GRPO_SAVE_EVERY = 10
 # settings (GRPO: ~4 minutes of start-up, then 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others
 # are minutes.
 RESUMABLE = ("grpo",)
+
+# A0's eval needs only the SFT model, as GRPO does, so it runs beside GRPO's start-up: its ~20 s on the GPU
+# are over long before GRPO's vLLM takes its memory, about 2 minutes into that stage (docs/gpu-runs.md run 18).
+BESIDE_NEXT = ("eval-sft",)
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
 # same items (a LIMIT left in a shell once cut A1 to 585 rows against A0's 1,000: docs/gpu-runs.md run 11)
@@ -186,6 +198,49 @@ def _finished(marker: Path, record: dict) -> bool:
     return {k: earlier.get(k) for k in record} == record
 
 
+class Beside:
+    """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
+    with verl's it would be unreadable."""
+
+    def __init__(self, stage: Stage, settings: Settings, log: Path, next_name: str):
+        self.stage, self.log, self.next_name = stage, log, next_name
+        self.started = time.monotonic()
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait(self) -> float:
+        """Its seconds; raises the stage's one-line failure unless it exited 0."""
+        returncode = self.process.wait()
+        seconds = round(time.monotonic() - self.started, 1)
+        if returncode != 0:
+            raise stage_failed(self.stage, "demo", returncode, seconds, output=str(self.log))
+        return seconds
+
+    def stop(self) -> None:
+        """Interrupted: SIGTERM, on which every app command removes its temporaries, then SIGKILL."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def last_line(self) -> str:
+        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "(no output)"
+
+
+def _record(stage: Stage) -> dict:
+    return {"argv": stage.argv[1:], "env": stage.env}
+
+
+def _mark_done(marker: Path, stage: Stage, seconds: float, resumed: bool) -> None:
+    with atomic_path(marker) as tmp:
+        tmp.write_text(json.dumps({**_record(stage), "seconds": seconds, "resumed": resumed}) + "\n")
+
+
 def read_summary(out: Path) -> dict:
     try:
         return json.loads((out / "summary.json").read_text())
@@ -207,7 +262,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"demo plan (everything under {root}):")
         for i, stage in enumerate(stages, 1):
             shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
-            say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}")
+            beside_note = f" (beside {stages[i].name})" if stage.name in BESIDE_NEXT and i < len(stages) else ""
+            say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
             say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
         if settings["DEMO_UNTIL"]:
             say(f"  (DEMO_UNTIL={settings['DEMO_UNTIL']}: stops after that stage; a rerun goes on from there)")
@@ -223,47 +279,78 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if settings["FRESH"] and done.is_dir():
         for marker in done.glob("*.json"):
             marker.unlink()
+    began = time.monotonic()
     seconds: dict[str, float] = {}
+    skipped: list[str] = []  # stages an earlier demo finished
     resumed: list[str] = []  # stages whose cut-short earlier attempts are not in `seconds`
-    for i, stage in enumerate(stages, 1):
-        say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
-        marker = done / f"{stage.name}.json"
-        record = {"argv": stage.argv[1:], "env": stage.env}
-        if _finished(marker, record):
-            earlier = json.loads(marker.read_text())
-            seconds[stage.name] = earlier["seconds"]
-            if earlier.get("resumed"):
-                resumed.append(stage.name)
-            say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
-        else:
-            started = done / f"{stage.name}.started.json"
-            t = time.monotonic()
-            if stage.name in RESUMABLE and _finished(started, record):
-                resumed.append(stage.name)
-                last = settings["DEMO_GRPO_STEPS"]
-                if runs.latest_step(Path(stage.env["CKPT_DIR"])) == last:
-                    # cut short after its last checkpoint (while Ray stopped): a rerun of verl would spend
-                    # its ~4 minutes of start-up to find nothing left to train (docs/gpu-runs.md run 14)
-                    say(f"=== {stage.name}: the run an earlier demo started saved its last step ({last}) before "
-                        "it was cut short; not started again")
-                else:
-                    # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
-                    say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
-                    run_stage(dataclasses.replace(stage, env={**stage.env, "FRESH": "0"}), settings, "demo")
+    beside: Beside | None = None
+    try:
+        for i, stage in enumerate(stages, 1):
+            say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
+            marker = done / f"{stage.name}.json"
+            record = _record(stage)
+            after = stages[i] if i < len(stages) else None
+            if _finished(marker, record):
+                earlier = json.loads(marker.read_text())
+                seconds[stage.name] = earlier["seconds"]
+                skipped.append(stage.name)
+                if earlier.get("resumed"):
+                    resumed.append(stage.name)
+                say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
+            elif (stage.name in BESIDE_NEXT and after is not None and settings["DEMO_UNTIL"] != stage.name
+                  and not _finished(done / f"{after.name}.json", _record(after))):
+                log = root / f"{stage.name}.log"
+                beside = Beside(stage, settings, log, after.name)
+                say(f"=== {stage.name}: runs beside {after.name}; its output goes to {log}")
+                continue
             else:
-                if stage.name in RESUMABLE:
-                    with atomic_path(started) as tmp:
-                        tmp.write_text(json.dumps(record) + "\n")
-                run_stage(stage, settings, "demo")
-            seconds[stage.name] = round(time.monotonic() - t, 1)
-            with atomic_path(marker) as tmp:
-                tmp.write_text(json.dumps({**record, "seconds": seconds[stage.name],
-                                           "resumed": stage.name in resumed}) + "\n")
-            say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
-        if stage.name == settings["DEMO_UNTIL"]:
-            say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
-                f"goes on from here ({sum(seconds.values()):.0f}s of stages so far)")
-            return 0
+                started = done / f"{stage.name}.started.json"
+                t = time.monotonic()
+                if stage.name in RESUMABLE and _finished(started, record):
+                    resumed.append(stage.name)
+                    last = settings["DEMO_GRPO_STEPS"]
+                    if runs.latest_step(Path(stage.env["CKPT_DIR"])) == last:
+                        # cut short after its last checkpoint (while Ray stopped): a rerun of verl would spend
+                        # its ~4 minutes of start-up to find nothing left to train (docs/gpu-runs.md run 14)
+                        say(f"=== {stage.name}: the run an earlier demo started saved its last step ({last}) "
+                            "before it was cut short; not started again")
+                    else:
+                        # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
+                        say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
+                        run_stage(dataclasses.replace(stage, env={**stage.env, "FRESH": "0"}), settings, "demo")
+                else:
+                    if stage.name in RESUMABLE:
+                        with atomic_path(started) as tmp:
+                            tmp.write_text(json.dumps(record) + "\n")
+                    run_stage(stage, settings, "demo")
+                seconds[stage.name] = round(time.monotonic() - t, 1)
+                _mark_done(marker, stage, seconds[stage.name], stage.name in resumed)
+                say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
+            if beside is not None:  # the stage it ran beside is over
+                running, beside = beside, None
+                name = running.stage.name
+                seconds[name] = running.wait()
+                _mark_done(done / f"{name}.json", running.stage, seconds[name], False)
+                say(f"=== {name} (beside {stage.name}) took {seconds[name]:.0f}s: {running.last_line()}")
+            if stage.name == settings["DEMO_UNTIL"]:
+                say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
+                    f"goes on from here ({time.monotonic() - began:.0f}s in this run, "
+                    f"{sum(seconds.values()):.0f}s of stages so far)")
+                return 0
+    except UserError:
+        if beside is not None:
+            # the stage it ran beside failed: keep its own result if it ends well, so that a rerun skips it
+            try:
+                _mark_done(done / f"{beside.stage.name}.json", beside.stage, beside.wait(), False)
+            except UserError as also:
+                say(f"warning: {also}")
+        raise
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (app.common.Terminated)
+        if beside is not None:
+            beside.stop()
+        raise
+    wall = round(time.monotonic() - began, 1)
+    seconds = {stage.name: seconds[stage.name] for stage in stages}
     losses = read_losses(root / "sft")
     rewards = read_rewards(root / "grpo")
     first, last = reward_rose(rewards)
@@ -275,14 +362,19 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         "sft_loss_first": losses[0][1], "sft_loss_last": losses[-1][1],
         "reward_first_quarter": first, "reward_last_quarter": last, "reward_per_step": rewards,
         "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over earlier demo runs too
-        "resumed": resumed,
+        "wall_seconds": wall, "skipped": skipped, "resumed": resumed,  # this run's, and what it went on from
         "report": str(root / "grpo" / "report"),
     }
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
-    untimed = f" (plus the earlier, cut-short attempts of {', '.join(resumed)}, not in that time)" if resumed else ""
-    say(f"demo passed in {figures['total_seconds']:.0f}s of stages{untimed}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
+    earlier = []
+    if skipped:
+        earlier.append(f"{', '.join(skipped)} done by an earlier run")
+    if resumed:
+        earlier.append(f"the cut-short earlier attempts of {', '.join(resumed)} not counted")
+    earlier_note = f" (this run only: {'; '.join(earlier)})" if earlier else ""
+    say(f"demo passed in {wall:.0f}s{earlier_note}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
         f"A1 = {a1:.1%} on {n} unseen test items (+{a1 - a0:.1%}, above the noise margin {margin:.1%} = "
         f"{Z:g} standard errors); plots in {root / 'grpo' / 'report'}, figures in {root / 'demo.json'}")
     return 0

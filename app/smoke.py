@@ -232,14 +232,20 @@ def first_test_prompt(data: Path) -> str:
 
 # --- the command ------------------------------------------------------------------------------------
 
+def stage_failed(stage: Stage, command: str, returncode: int, seconds: float,
+                 output: str = "its output above") -> UserError:
+    """The one line for a stage that exited non-zero: where its output is and how to rerun it alone."""
+    settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in stage.env.items())
+    return UserError(f"{command} stage '{stage.name}' failed (exit {returncode}) after {seconds:.0f}s: read "
+                     f"{output}; rerun it alone with {settings + ' ' if settings else ''}python -m app "
+                     f"{shlex.join(stage.argv[3:])}")
+
+
 def run_stage(stage: Stage, settings: Settings, command: str = "smoke") -> None:
     started = time.monotonic()
     result = subprocess.run(stage.argv, env=child_env(stage, settings), cwd=os.getcwd())
     if result.returncode != 0:
-        settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in stage.env.items())
-        raise UserError(f"{command} stage '{stage.name}' failed (exit {result.returncode}) after "
-                        f"{time.monotonic() - started:.0f}s: read its output above; rerun it alone with "
-                        f"{settings + ' ' if settings else ''}python -m app {shlex.join(stage.argv[3:])}")
+        raise stage_failed(stage, command, result.returncode, time.monotonic() - started)
 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:

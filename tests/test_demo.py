@@ -329,3 +329,139 @@ def test_a_grpo_stage_cut_after_its_last_checkpoint_is_not_started_again(tmp_pat
     assert ran == ["0"]  # verl not started again
     assert "saved its last step (4) before it was cut short; not started again" in capsys.readouterr().out
     assert json.loads((tmp_path / "stages" / "grpo.json").read_text())["resumed"] is True
+
+
+# --- A0's eval beside GRPO's start-up: real processes stand in for the two stages ---------------------------
+
+def _waits_for(flag, then: str = "pass", timeout: float = 60) -> str:
+    """Python source: wait until `flag` exists (the other stage is running), then run `then`; exit 3 if it
+    never appears, which is what a demo that ran the two stages one after the other would do."""
+    return (f"import pathlib, sys, time\nflag = pathlib.Path({str(flag)!r})\nend = time.monotonic() + {timeout}\n"
+            "while not flag.exists():\n    time.sleep(0.05)\n    if time.monotonic() > end:\n"
+            "        sys.exit(3)\n" + then + "\n")
+
+
+def _beside_plan(tmp_path, monkeypatch, eval_code: str, grpo_code: str):
+    from app import demo
+    from app.smoke import Stage
+
+    stages = [Stage("eval-sft", [sys.executable, "-c", eval_code], {}, "accuracy A0"),
+              Stage("grpo", [sys.executable, "-c", grpo_code], {}, "GRPO steps")]
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("DEMO_UNTIL", "grpo")
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; the stages here need none
+    monkeypatch.setattr(demo, "plan", lambda settings: (tmp_path, stages))
+    return demo
+
+
+def test_eval_sft_runs_beside_grpo_and_is_marked_done_after_it(tmp_path, monkeypatch, capsys):
+    """Each stand-in waits for a file the other writes, so the demo passes only if both run at once."""
+    from app.settings import load
+
+    grpo_up, eval_done = tmp_path / "grpo-up", tmp_path / "eval-done"
+    demo = _beside_plan(
+        tmp_path, monkeypatch,
+        _waits_for(grpo_up, f"print('arith accuracy 80.00% (8/10)')\npathlib.Path({str(eval_done)!r}).touch()"),
+        f"import pathlib\npathlib.Path({str(grpo_up)!r}).touch()\n" + _waits_for(eval_done))
+    assert demo.main("demo", [], load()) == 0
+    out = capsys.readouterr().out
+    assert f"eval-sft: runs beside grpo; its output goes to {tmp_path / 'eval-sft.log'}" in out
+    assert "eval-sft (beside grpo) took" in out and out.rstrip().splitlines()[-2].endswith("arith accuracy 80.00% (8/10)")
+    assert out.index("=== grpo took") < out.index("eval-sft (beside grpo) took")
+    for name in ("eval-sft", "grpo"):
+        assert json.loads((tmp_path / "stages" / f"{name}.json").read_text())["seconds"] > 0
+    # a rerun skips both
+    assert demo.main("demo", [], load()) == 0
+    assert capsys.readouterr().out.count("done in an earlier run with the same settings, skipped") == 2
+
+
+def test_a_failing_eval_beside_grpo_fails_the_demo_in_one_line_naming_its_log(tmp_path, monkeypatch):
+    from app.settings import load
+
+    demo = _beside_plan(tmp_path, monkeypatch, "import sys\nprint('no model here')\nsys.exit(4)", "pass")
+    with pytest.raises(UserError) as failed:
+        demo.main("demo", [], load())
+    line = str(failed.value)
+    assert "stage 'eval-sft' failed (exit 4)" in line and f"read {tmp_path / 'eval-sft.log'}" in line
+    assert "\n" not in line and "no model here" in (tmp_path / "eval-sft.log").read_text()
+    assert (tmp_path / "stages" / "grpo.json").is_file()  # GRPO finished: a rerun skips it
+    assert not (tmp_path / "stages" / "eval-sft.json").exists()  # and runs the eval again
+
+
+def test_when_grpo_fails_the_eval_beside_it_still_ends_and_is_kept(tmp_path, monkeypatch, capsys):
+    from app.settings import load
+
+    grpo_up = tmp_path / "grpo-up"
+    demo = _beside_plan(tmp_path, monkeypatch, _waits_for(grpo_up, "print('arith accuracy 70.00% (7/10)')"),
+                        f"import pathlib, sys\npathlib.Path({str(grpo_up)!r}).touch()\nsys.exit(1)")
+    with pytest.raises(UserError) as failed:
+        demo.main("demo", [], load())
+    assert "stage 'grpo' failed (exit 1)" in str(failed.value)
+    assert (tmp_path / "stages" / "eval-sft.json").is_file() and not (tmp_path / "stages" / "grpo.json").exists()
+
+
+def test_an_interrupted_demo_stops_the_eval_beside_it(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (app.common.Terminated) while GRPO runs: the eval beside it is stopped, not orphaned,
+    and not marked done."""
+    import os
+    import time
+
+    from app.common import Terminated
+    from app.settings import load
+
+    pid_file = tmp_path / "eval.pid"
+    demo = _beside_plan(tmp_path, monkeypatch,
+                        f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+                        "time.sleep(120)", "pass")
+
+    def interrupted(stage, settings, command):
+        end = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        raise Terminated
+
+    monkeypatch.setattr(demo, "run_stage", interrupted)
+    with pytest.raises(Terminated):
+        demo.main("demo", [], load())
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+    assert not (tmp_path / "stages" / "eval-sft.json").exists()
+
+
+def test_the_verdict_gives_this_runs_wall_time_and_what_it_went_on_from(tmp_path, monkeypatch, capsys):
+    """Every stage done by an earlier run (GRPO's after a cut-short attempt): the verdict is judged on the
+    files those runs left, and its time is this run's, saying what it did not include."""
+    from verl.utils.tracking import FileLogger
+
+    from app import demo
+    from app.settings import load
+    from app.tracking import tracking_env
+
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage runs here
+    _, stages = demo.plan(load())
+    for stage in stages:
+        marker = tmp_path / "stages" / f"{stage.name}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"argv": stage.argv[1:], "env": stage.env, "seconds": 30.0,
+                                      "resumed": stage.name == "grpo"}))
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", tracking_env(tmp_path / "sft")["VERL_FILE_LOGGER_PATH"])
+    logger = FileLogger("demo", "sft")
+    for step, loss in enumerate([6.8, 2.0, 0.9, 0.4], 1):
+        logger.log({"train/loss": loss}, step)
+    logger.finish()
+    _write_grpo_log(tmp_path / "grpo", [0.5, 0.5, 0.6, 0.7], monkeypatch)
+    test = str(tmp_path / "data" / "arith" / "test.parquet")
+    for name, accuracy in (("eval-sft", 0.5), ("eval-grpo", 0.9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"accuracy": accuracy, "data": test,
+                                                                   "rows": 1000, "limit": None}))
+    assert demo.main("demo", [], load()) == 0
+    figures = json.loads((tmp_path / "demo.json").read_text())
+    assert figures["total_seconds"] == 30.0 * len(stages) and figures["wall_seconds"] < 30.0
+    assert figures["skipped"] == [s.name for s in stages] and figures["resumed"] == ["grpo"]
+    verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert verdict.startswith(f"demo passed in {figures['wall_seconds']:.0f}s (this run only: prep, tiny-model,")
+    assert "report done by an earlier run; the cut-short earlier attempts of grpo not counted)" in verdict
+    assert "A0 = 50.0%, after GRPO A1 = 90.0% on 1000 unseen test items" in verdict
