@@ -26,8 +26,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,7 +92,8 @@ GRPO_SAVE_EVERY = 10
 RESUMABLE = ("grpo",)
 
 # A0's eval needs only the SFT model, as GRPO does, so it runs beside GRPO's start-up: its ~20 s on the GPU
-# are over long before GRPO's vLLM takes its memory, about 2 minutes into that stage (docs/gpu-runs.md run 18).
+# are over long before GRPO's vLLM profiles and takes its memory, about 2 minutes into that stage
+# (docs/gpu-runs.md run 18). Not where the GPU's compute mode is exclusive (gpu_shared).
 BESIDE_NEXT = ("eval-sft",)
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
@@ -198,27 +201,62 @@ def _finished(marker: Path, record: dict) -> bool:
     return {k: earlier.get(k) for k in record} == record
 
 
+def parse_compute_modes(text: str) -> list[str]:
+    """`nvidia-smi --query-gpu=compute_mode --format=csv,noheader`: one mode a GPU (Default,
+    Exclusive_Process, Prohibited)."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def gpu_shared() -> tuple[bool, str]:
+    """Whether two processes can use this node's GPUs at once, and why not: a GPU in exclusive compute mode
+    (some clusters set it) refuses a second CUDA context. Where nvidia-smi cannot tell, the answer is no."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False, "nvidia-smi is missing, so the GPU's compute mode is unknown"
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"nvidia-smi did not give the GPU's compute mode ({exc})"
+    modes = parse_compute_modes(out.stdout) if out.returncode == 0 else []
+    if not modes:
+        return False, "nvidia-smi did not give the GPU's compute mode"
+    other = sorted({m for m in modes if m != "Default"})
+    return (False, f"the GPU's compute mode is {', '.join(other)}") if other else (True, "")
+
+
 class Beside:
     """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
     with verl's it would be unreadable."""
 
-    def __init__(self, stage: Stage, settings: Settings, log: Path, next_name: str):
-        self.stage, self.log, self.next_name = stage, log, next_name
+    def __init__(self, stage: Stage, settings: Settings, log: Path):
+        self.stage, self.log = stage, log
         self.started = time.monotonic()
+        self.ended: float | None = None
+        self.waited = False  # wait() has reported its outcome (passed or raised)
         with open(log, "w") as out:
             self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        # its own time, not the time until the stage beside it is over and wait() is called
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        self.ended = time.monotonic()
 
     def wait(self) -> float:
         """Its seconds; raises the stage's one-line failure unless it exited 0."""
-        returncode = self.process.wait()
-        seconds = round(time.monotonic() - self.started, 1)
-        if returncode != 0:
-            raise stage_failed(self.stage, "demo", returncode, seconds, output=str(self.log))
+        while self.watcher.is_alive():  # short joins: a signal (SIGTERM -> Terminated) still gets through
+            self.watcher.join(0.2)
+        self.waited = True
+        seconds = round((self.ended or time.monotonic()) - self.started, 1)
+        if self.process.returncode != 0:
+            raise stage_failed(self.stage, "demo", self.process.returncode, seconds, output=str(self.log))
         return seconds
 
     def stop(self) -> None:
-        """Interrupted: SIGTERM, on which every app command removes its temporaries, then SIGKILL."""
+        """SIGTERM, on which every app command removes its temporaries, then SIGKILL; nothing if it ended."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -230,6 +268,13 @@ class Beside:
     def last_line(self) -> str:
         lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         return lines[-1] if lines else "(no output)"
+
+
+def _beside_allowed(stage: Stage, after: Stage) -> bool:
+    shared, why = gpu_shared()
+    if not shared:
+        say(f"=== {stage.name}: runs before {after.name}, not beside it: {why}")
+    return shared
 
 
 def _record(stage: Stage) -> dict:
@@ -251,6 +296,7 @@ def read_summary(out: Path) -> dict:
 # --- the command ------------------------------------------------------------------------------------
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
+    began = time.monotonic()  # this run's wall time (the interpreter's and make's start-up not in it)
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__)
         return 0
@@ -262,7 +308,9 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"demo plan (everything under {root}):")
         for i, stage in enumerate(stages, 1):
             shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
-            beside_note = f" (beside {stages[i].name})" if stage.name in BESIDE_NEXT and i < len(stages) else ""
+            beside_note = (f" (beside {stages[i].name}, where the GPU allows two processes)"
+                           if stage.name in BESIDE_NEXT and i < len(stages)
+                           and settings["DEMO_UNTIL"] != stage.name else "")
             say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
             say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
         if settings["DEMO_UNTIL"]:
@@ -279,7 +327,6 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if settings["FRESH"] and done.is_dir():
         for marker in done.glob("*.json"):
             marker.unlink()
-    began = time.monotonic()
     seconds: dict[str, float] = {}
     skipped: list[str] = []  # stages an earlier demo finished
     resumed: list[str] = []  # stages whose cut-short earlier attempts are not in `seconds`
@@ -298,9 +345,10 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                     resumed.append(stage.name)
                 say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
             elif (stage.name in BESIDE_NEXT and after is not None and settings["DEMO_UNTIL"] != stage.name
-                  and not _finished(done / f"{after.name}.json", _record(after))):
+                  and not _finished(done / f"{after.name}.json", _record(after))
+                  and _beside_allowed(stage, after)):
                 log = root / f"{stage.name}.log"
-                beside = Beside(stage, settings, log, after.name)
+                beside = Beside(stage, settings, log)
                 say(f"=== {stage.name}: runs beside {after.name}; its output goes to {log}")
                 continue
             else:
@@ -327,28 +375,28 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                 _mark_done(marker, stage, seconds[stage.name], stage.name in resumed)
                 say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
             if beside is not None:  # the stage it ran beside is over
-                running, beside = beside, None
-                name = running.stage.name
-                seconds[name] = running.wait()
-                _mark_done(done / f"{name}.json", running.stage, seconds[name], False)
-                say(f"=== {name} (beside {stage.name}) took {seconds[name]:.0f}s: {running.last_line()}")
+                name = beside.stage.name
+                seconds[name] = beside.wait()
+                _mark_done(done / f"{name}.json", beside.stage, seconds[name], False)
+                say(f"=== {name} (beside {stage.name}) took {seconds[name]:.0f}s: {beside.last_line()}")
+                beside = None
             if stage.name == settings["DEMO_UNTIL"]:
                 say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
                     f"goes on from here ({time.monotonic() - began:.0f}s in this run, "
                     f"{sum(seconds.values()):.0f}s of stages so far)")
                 return 0
-    except UserError:
-        if beside is not None:
+    except UserError as failed:
+        if beside is not None and not beside.waited:
             # the stage it ran beside failed: keep its own result if it ends well, so that a rerun skips it
+            say(f"=== waiting for {beside.stage.name} (its output in {beside.log}) before stopping")
             try:
                 _mark_done(done / f"{beside.stage.name}.json", beside.stage, beside.wait(), False)
             except UserError as also:
-                say(f"warning: {also}")
+                raise UserError(f"{failed}; and {also}") from None
         raise
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (app.common.Terminated)
+    finally:  # any other way out (Ctrl-C, SIGTERM as app.common.Terminated, a crash): no orphan left running
         if beside is not None:
             beside.stop()
-        raise
     wall = round(time.monotonic() - began, 1)
     seconds = {stage.name: seconds[stage.name] for stage in stages}
     losses = read_losses(root / "sft")

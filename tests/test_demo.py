@@ -350,26 +350,29 @@ def _beside_plan(tmp_path, monkeypatch, eval_code: str, grpo_code: str):
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("DEMO_UNTIL", "grpo")
     monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; the stages here need none
+    monkeypatch.setattr(demo, "gpu_shared", lambda: (True, ""))  # nor nvidia-smi to give its compute mode
     monkeypatch.setattr(demo, "plan", lambda settings: (tmp_path, stages))
     return demo
 
 
 def test_eval_sft_runs_beside_grpo_and_is_marked_done_after_it(tmp_path, monkeypatch, capsys):
-    """Each stand-in waits for a file the other writes, so the demo passes only if both run at once."""
+    """Each stand-in waits for a file the other writes, so the demo passes only if both run at once; GRPO
+    goes on 2 s after the eval ended, which the eval's own time must not include."""
     from app.settings import load
 
     grpo_up, eval_done = tmp_path / "grpo-up", tmp_path / "eval-done"
     demo = _beside_plan(
         tmp_path, monkeypatch,
         _waits_for(grpo_up, f"print('arith accuracy 80.00% (8/10)')\npathlib.Path({str(eval_done)!r}).touch()"),
-        f"import pathlib\npathlib.Path({str(grpo_up)!r}).touch()\n" + _waits_for(eval_done))
+        f"import pathlib\npathlib.Path({str(grpo_up)!r}).touch()\n" + _waits_for(eval_done, "time.sleep(2)"))
     assert demo.main("demo", [], load()) == 0
     out = capsys.readouterr().out
     assert f"eval-sft: runs beside grpo; its output goes to {tmp_path / 'eval-sft.log'}" in out
     assert "eval-sft (beside grpo) took" in out and out.rstrip().splitlines()[-2].endswith("arith accuracy 80.00% (8/10)")
     assert out.index("=== grpo took") < out.index("eval-sft (beside grpo) took")
-    for name in ("eval-sft", "grpo"):
-        assert json.loads((tmp_path / "stages" / f"{name}.json").read_text())["seconds"] > 0
+    took = {name: json.loads((tmp_path / "stages" / f"{name}.json").read_text())["seconds"]
+            for name in ("eval-sft", "grpo")}
+    assert 0 < took["eval-sft"] <= took["grpo"] - 1.5
     # a rerun skips both
     assert demo.main("demo", [], load()) == 0
     assert capsys.readouterr().out.count("done in an earlier run with the same settings, skipped") == 2
@@ -400,9 +403,57 @@ def test_when_grpo_fails_the_eval_beside_it_still_ends_and_is_kept(tmp_path, mon
     assert (tmp_path / "stages" / "eval-sft.json").is_file() and not (tmp_path / "stages" / "grpo.json").exists()
 
 
-def test_an_interrupted_demo_stops_the_eval_beside_it(tmp_path, monkeypatch):
-    """Ctrl-C or SIGTERM (app.common.Terminated) while GRPO runs: the eval beside it is stopped, not orphaned,
-    and not marked done."""
+def test_when_grpo_and_the_eval_beside_it_both_fail_one_line_names_both(tmp_path, monkeypatch):
+    from app.settings import load
+
+    demo = _beside_plan(tmp_path, monkeypatch, "import sys, time\ntime.sleep(0.5)\nsys.exit(4)", "import sys\nsys.exit(1)")
+    with pytest.raises(UserError) as failed:
+        demo.main("demo", [], load())
+    line = str(failed.value)
+    assert "stage 'grpo' failed (exit 1)" in line and "stage 'eval-sft' failed (exit 4)" in line and "\n" not in line
+    assert not list((tmp_path / "stages").glob("*-sft.json")) and not (tmp_path / "stages" / "grpo.json").exists()
+
+
+def test_without_a_shared_gpu_the_eval_runs_before_grpo_and_says_why(tmp_path, monkeypatch, capsys):
+    """An exclusive compute mode refuses a second CUDA context: the eval runs first (GRPO's stand-in exits 5
+    unless the eval's result is already there)."""
+    from app.settings import load
+
+    eval_done = tmp_path / "eval-done"
+    demo = _beside_plan(tmp_path, monkeypatch, f"import pathlib\npathlib.Path({str(eval_done)!r}).touch()",
+                        f"import pathlib, sys\nsys.exit(0 if pathlib.Path({str(eval_done)!r}).exists() else 5)")
+    monkeypatch.setattr(demo, "gpu_shared", lambda: (False, "the GPU's compute mode is Exclusive_Process"))
+    assert demo.main("demo", [], load()) == 0
+    out = capsys.readouterr().out
+    assert "eval-sft: runs before grpo, not beside it: the GPU's compute mode is Exclusive_Process" in out
+    assert "beside grpo)" not in out and not (tmp_path / "eval-sft.log").exists()
+
+
+def test_compute_modes_as_nvidia_smi_lists_them():
+    from app.demo import parse_compute_modes
+
+    assert parse_compute_modes("Default\nExclusive_Process\n\n") == ["Default", "Exclusive_Process"]
+    assert parse_compute_modes("") == []
+
+
+def _sigterm_in(seconds: float):
+    """SIGTERM's effect in the CLI (app.common.raise_terminated) after `seconds`, through a real signal
+    (SIGALRM, so that pytest itself is not terminated); returns what restores the old handler."""
+    import signal
+
+    from app.common import raise_terminated
+
+    old = signal.signal(signal.SIGALRM, raise_terminated)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    return lambda: (signal.setitimer(signal.ITIMER_REAL, 0), signal.signal(signal.SIGALRM, old))
+
+
+@pytest.mark.parametrize("way_out", ["interrupted during grpo", "crash during grpo",
+                                     "interrupted while waiting for the eval after grpo",
+                                     "interrupted while waiting for the eval after grpo failed"])
+def test_every_way_out_of_the_demo_stops_the_eval_beside_it(tmp_path, monkeypatch, way_out):
+    """Ctrl-C, SIGTERM (app.common.Terminated) or a crash, during GRPO or while the demo waits for the eval
+    after it: the eval beside it is stopped and reaped, not left running, and not marked done."""
     import os
     import time
 
@@ -414,18 +465,27 @@ def test_an_interrupted_demo_stops_the_eval_beside_it(tmp_path, monkeypatch):
                         f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
                         "time.sleep(120)", "pass")
 
-    def interrupted(stage, settings, command):
+    def grpo(stage, settings, command):
         end = time.monotonic() + 60
         while not pid_file.exists() and time.monotonic() < end:
             time.sleep(0.05)
-        raise Terminated
+        if way_out == "interrupted during grpo":
+            raise Terminated
+        if way_out == "crash during grpo":
+            raise OSError(28, "No space left on device")
+        if way_out.endswith("grpo failed"):
+            raise UserError("demo stage 'grpo' failed (exit 1)")
 
-    monkeypatch.setattr(demo, "run_stage", interrupted)
-    with pytest.raises(Terminated):
-        demo.main("demo", [], load())
-    pid = int(pid_file.read_text())
+    monkeypatch.setattr(demo, "run_stage", grpo)
+    expected = OSError if way_out == "crash during grpo" else Terminated
+    restore = _sigterm_in(2.0) if "waiting" in way_out else (lambda: None)
+    try:
+        with pytest.raises(expected):
+            demo.main("demo", [], load())
+    finally:
+        restore()
     with pytest.raises(ProcessLookupError):  # stopped and reaped
-        os.kill(pid, 0)
+        os.kill(int(pid_file.read_text()), 0)
     assert not (tmp_path / "stages" / "eval-sft.json").exists()
 
 
