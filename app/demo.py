@@ -26,14 +26,13 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from app import runs
+from app import perf, runs
 from app.common import UserError, atomic_path, say
 from app.settings import Settings
 from app.smoke import Stage, child_env, gpu_count, read_losses, run_stage, stage_failed
@@ -201,26 +200,12 @@ def _finished(marker: Path, record: dict) -> bool:
     return {k: earlier.get(k) for k in record} == record
 
 
-def parse_compute_modes(text: str) -> list[str]:
-    """`nvidia-smi --query-gpu=compute_mode --format=csv,noheader`: one mode a GPU (Default,
-    Exclusive_Process, Prohibited)."""
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
 def gpu_shared() -> tuple[bool, str]:
     """Whether two processes can use this node's GPUs at once, and why not: a GPU in exclusive compute mode
     (some clusters set it) refuses a second CUDA context. Where nvidia-smi cannot tell, the answer is no."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return False, "nvidia-smi is missing, so the GPU's compute mode is unknown"
-    try:
-        out = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return False, f"nvidia-smi did not give the GPU's compute mode ({exc})"
-    modes = parse_compute_modes(out.stdout) if out.returncode == 0 else []
+    modes = perf.query_gpus("compute_mode")
     if not modes:
-        return False, "nvidia-smi did not give the GPU's compute mode"
+        return False, "nvidia-smi (missing or failing here) did not give the GPU's compute mode"
     other = sorted({m for m in modes if m != "Default"})
     return (False, f"the GPU's compute mode is {', '.join(other)}") if other else (True, "")
 
@@ -232,7 +217,7 @@ class Beside:
     def __init__(self, stage: Stage, settings: Settings, log: Path):
         self.stage, self.log = stage, log
         self.started = time.monotonic()
-        self.ended: float | None = None
+        self.ended = self.started
         self.waited = False  # wait() has reported its outcome (passed or raised)
         with open(log, "w") as out:
             self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
@@ -250,7 +235,7 @@ class Beside:
         while self.watcher.is_alive():  # short joins: a signal (SIGTERM -> Terminated) still gets through
             self.watcher.join(0.2)
         self.waited = True
-        seconds = round((self.ended or time.monotonic()) - self.started, 1)
+        seconds = round(self.ended - self.started, 1)  # set by the watcher, which has ended
         if self.process.returncode != 0:
             raise stage_failed(self.stage, "demo", self.process.returncode, seconds, output=str(self.log))
         return seconds
@@ -268,6 +253,14 @@ class Beside:
     def last_line(self) -> str:
         lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         return lines[-1] if lines else "(no output)"
+
+
+def _beside_next(stages: list[Stage], i: int, settings: Settings) -> Stage | None:
+    """The stage that stages[i - 1] runs beside, where it is one of BESIDE_NEXT and this run goes on to it."""
+    stage = stages[i - 1]
+    if stage.name in BESIDE_NEXT and i < len(stages) and settings["DEMO_UNTIL"] != stage.name:
+        return stages[i]
+    return None
 
 
 def _beside_allowed(stage: Stage, after: Stage) -> bool:
@@ -308,9 +301,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"demo plan (everything under {root}):")
         for i, stage in enumerate(stages, 1):
             shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
-            beside_note = (f" (beside {stages[i].name}, where the GPU allows two processes)"
-                           if stage.name in BESIDE_NEXT and i < len(stages)
-                           and settings["DEMO_UNTIL"] != stage.name else "")
+            after = _beside_next(stages, i, settings)
+            beside_note = f" (beside {after.name}, where the GPU allows two processes)" if after else ""
             say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
             say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
         if settings["DEMO_UNTIL"]:
@@ -336,7 +328,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
             say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
             marker = done / f"{stage.name}.json"
             record = _record(stage)
-            after = stages[i] if i < len(stages) else None
+            after = _beside_next(stages, i, settings)
             if _finished(marker, record):
                 earlier = json.loads(marker.read_text())
                 seconds[stage.name] = earlier["seconds"]
@@ -344,8 +336,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                 if earlier.get("resumed"):
                     resumed.append(stage.name)
                 say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
-            elif (stage.name in BESIDE_NEXT and after is not None and settings["DEMO_UNTIL"] != stage.name
-                  and not _finished(done / f"{after.name}.json", _record(after))
+            elif (after is not None and not _finished(done / f"{after.name}.json", _record(after))
                   and _beside_allowed(stage, after)):
                 log = root / f"{stage.name}.log"
                 beside = Beside(stage, settings, log)

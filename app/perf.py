@@ -91,20 +91,30 @@ def model_shape(model_path: Path | None) -> ModelShape | None:
         return None
 
 
-@functools.cache  # asked by both perf.overrides and check_budgets in one preflight: one nvidia-smi call
-def gpu_memory_bytes() -> int | None:
-    """Memory of the smallest GPU this node sees (nvidia-smi answers in milliseconds; torch would take
-    seconds to import); None where it cannot be read."""
+def csv_values(text: str) -> list[str]:
+    """`nvidia-smi --query-gpu=FIELD --format=csv,noheader,nounits` output: one value a GPU."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def query_gpus(field: str) -> list[str] | None:
+    """One value of `field` a GPU this node sees (nvidia-smi answers in milliseconds; torch would take seconds
+    to import); None where nvidia-smi is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run([smi, f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    sizes = [int(float(x)) for x in out.stdout.split() if x.strip().replace(".", "", 1).isdigit()]
-    return min(sizes) * 1024**2 if out.returncode == 0 and sizes else None
+    return csv_values(out.stdout) if out.returncode == 0 else None
+
+
+@functools.cache  # asked by both perf.overrides and check_budgets in one preflight: one nvidia-smi call
+def gpu_memory_bytes() -> int | None:
+    """Memory of the smallest GPU this node sees; None where it cannot be read."""
+    sizes = [int(float(x)) for x in query_gpus("memory.total") or [] if x.replace(".", "", 1).isdigit()]
+    return min(sizes) * 1024**2 if sizes else None
 
 
 def flash_attn_installed() -> bool:

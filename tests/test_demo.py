@@ -430,10 +430,10 @@ def test_without_a_shared_gpu_the_eval_runs_before_grpo_and_says_why(tmp_path, m
 
 
 def test_compute_modes_as_nvidia_smi_lists_them():
-    from app.demo import parse_compute_modes
+    from app.perf import csv_values
 
-    assert parse_compute_modes("Default\nExclusive_Process\n\n") == ["Default", "Exclusive_Process"]
-    assert parse_compute_modes("") == []
+    assert csv_values("Default\nExclusive_Process\n\n") == ["Default", "Exclusive_Process"]
+    assert csv_values("") == []
 
 
 def _sigterm_in(seconds: float):
