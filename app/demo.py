@@ -63,13 +63,14 @@ SFT_ARGS = [
 # 8 s for 1,024 on 1xH200, docs/gpu-runs.md run 9), two updates per step, an lr for a tiny model, short
 # responses (`#### <sum>` is a few tokens), prompts of 48-50 tokens with the tiny tokenizer (preflight counts
 # them and so turns verl's length filter off), and vLLM in eager mode (its compile and CUDA-graph capture cost
-# minutes that a tiny model never recovers). 2 agent-loop and 2 reward workers instead of verl's 8 + 8: each is
-# a Ray actor that imports vLLM and verl inside the first step (44 s against 9 s for the others in run 18),
-# and 512 short requests a step need no more (they ran at the 0.5B shape in run 19; their effect on the
-# demo's time is not measured yet).
+# minutes that a tiny model never recovers). verl's 8 agent-loop and 8 reward workers: with 2 + 2 the first
+# step took 42 s instead of 44, and steps 2-14 12.1 s on average instead of 8.9 (generation 4.2-6.3 s against
+# 2.2: docs/gpu-runs.md run 20). And verl's replay buffer polled every 0.1 s instead of 2 (app/replay.py): the
+# 2.2 s of generation a step were one 2-second poll.
+GRPO_BATCH = 64
 GRPO_ARGS = [
     "actor_rollout_ref.model.override_config.attn_implementation=eager",
-    "data.train_batch_size=64",
+    f"data.train_batch_size={GRPO_BATCH}",
     "data.max_prompt_length=64",
     "data.max_response_length=16",
     "data.val_max_samples=64",
@@ -78,10 +79,12 @@ GRPO_ARGS = [
     "actor_rollout_ref.actor.optim.lr=1e-4",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",
-    "actor_rollout_ref.rollout.agent.num_workers=2",
-    "reward.num_workers=2",
     "trainer.test_freq=-1",
     "trainer.logger=[console,file]",
+    "trainer.v1.sampler.custom_sampler.path=pkg://app.replay",
+    "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
+    "+trainer.v1.sampler.sampler_kwargs.poll_interval=0.1",
+    f"+trainer.v1.sampler.sampler_kwargs.train_batch_size={GRPO_BATCH}",
 ]
 
 GRPO_SAVE_EVERY = 10

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from app import composition
+from app import composition, warmup
 from app.common import PASS_NAMES, PASS_PREFIXES, UserError, raise_terminated, say, warn
 from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
                            refuse_without_gpus, report)
@@ -449,6 +449,7 @@ def launch_grpo_head(settings: Settings) -> int:
     os.environ.update(auth)
     head: subprocess.Popen | None = None
     address_file: ClusterAddressFile | None = None
+    warm = warmup.start(s.model_path, s.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
     if port_open(s.head_ip or "127.0.0.1", s.ray_port):
         say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
     else:
@@ -460,6 +461,7 @@ def launch_grpo_head(settings: Settings) -> int:
         say(f"cluster ready: {describe_nodes(nodes)}")
         rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": s.ray_address})
     finally:
+        warmup.stop(warm)
         if head is not None:
             say("stopping the Ray head (workers leave when it goes away)")
             stop_process(head, "the Ray head")
@@ -501,23 +503,29 @@ def launch_grpo_worker(settings: Settings) -> int:
         warn(f"nothing answers at {s.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
              "(if HEAD_IP or RAY_PORT is wrong, stop this and fix it)")
     deadline = time.monotonic() + timeout
-    with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
-        while True:
-            auth = _worker_auth(s, settings)
-            if auth is not None and port_open(s.head_ip, s.ray_port):
-                break
-            if time.monotonic() > deadline:
-                missing = "the token (RAY_AUTH_TOKEN in .env, or " + str(token_path(s.run_dir, settings)) + ")" \
-                    if auth is None else f"{s.ray_address} answering"
-                raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
-                                "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
-            time.sleep(2.0)
-            bar.update(2)
-    address_file = ClusterAddressFile(s.ray_address, settings)
+    # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
+    log = s.run_dir / "logs" / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log"
+    warm = warmup.start(s.model_path, log, settings.environ(extra))
     try:
-        return _run_worker(s, settings, command, {**extra, **auth}, deadline)
+        with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
+            while True:
+                auth = _worker_auth(s, settings)
+                if auth is not None and port_open(s.head_ip, s.ray_port):
+                    break
+                if time.monotonic() > deadline:
+                    missing = "the token (RAY_AUTH_TOKEN in .env, or " + str(token_path(s.run_dir, settings)) + ")" \
+                        if auth is None else f"{s.ray_address} answering"
+                    raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
+                                    "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
+                time.sleep(2.0)
+                bar.update(2)
+        address_file = ClusterAddressFile(s.ray_address, settings)
+        try:
+            return _run_worker(s, settings, command, {**extra, **auth}, deadline)
+        finally:
+            address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
     finally:
-        address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
+        warmup.stop(warm)
 
 
 def _run_worker(s: Launch, settings: Settings, command: list[str], environment: dict[str, str],

@@ -451,8 +451,34 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
         if used and value is not None and value < seq:
             raise UserError(f"{key}={value} is smaller than max_prompt_length + max_response_length = {seq}: "
                             f"raise it to at least {seq}")
+    _check_quick_poll_sampler(sel, batch)
     notes.append(f"GRPO: {nnodes} node(s) x {gpn} GPU(s), batch {batch} x n={n}, rollout {name} TP={tp}, "
                  f"save every {sel('trainer.save_freq')} steps")
+
+
+QUICK_POLL_SAMPLER = ("pkg://app.replay", "QuickPollReplayBuffer")
+
+
+def _check_quick_poll_sampler(sel, batch: int) -> None:
+    """app/replay.py's sampler gets from verl only what a custom sampler gets, so it serves only the case
+    verl's own replay buffer serves without the options it would drop."""
+    sampler = "trainer.v1.sampler"
+    if (sel(f"{sampler}.custom_sampler.path"), sel(f"{sampler}.custom_sampler.name")) != QUICK_POLL_SAMPLER:
+        return
+    kwargs_batch = sel(f"{sampler}.sampler_kwargs.train_batch_size")
+    gen_batch = sel("data.gen_batch_size")
+    problems = [found for found, bad in [
+        (f"trainer.v1.trainer_mode={sel('trainer.v1.trainer_mode')}", sel("trainer.v1.trainer_mode") != "sync"),
+        ("algorithm.filter_groups.enable=true", bool(sel("algorithm.filter_groups.enable"))),
+        (f"{sampler}.sync_refill_failed_groups=true", bool(sel(f"{sampler}.sync_refill_failed_groups"))),
+        (f"data.gen_batch_size={gen_batch}", gen_batch not in (None, batch)),
+        (f"{sampler}.sampler_kwargs.train_batch_size={kwargs_batch} (data.train_batch_size={batch})",
+         kwargs_batch != batch)] if bad]
+    if problems:
+        raise UserError(f"{sampler}.custom_sampler is app.replay's QuickPollReplayBuffer, which serves verl's sync "
+                        f"trainer without DAPO filtering or failed-group refill, given sampler_kwargs.train_batch_size "
+                        f"= data.train_batch_size; here {'; '.join(problems)}: fix that, or drop the custom_sampler "
+                        "overrides (verl's own buffer, polled every 2 s)")
 
 
 FILTER_KEY = "data.filter_overlong_prompts"

@@ -162,6 +162,9 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
         assert task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
     head_text = head_log.read_text()
     assert "cluster ready:" in head_text and "127.0.0.2 (1 GPU)" in head_text
+    for log in ("vllm-warmup.log", "vllm-warmup-127.0.0.2.log"):  # each node warmed vLLM's cache (no vLLM here)
+        lines = (run / "logs" / log).read_text().strip().splitlines()
+        assert lines and lines[-1].startswith("vLLM is not importable here ("), lines
 
 
 @pytest.mark.slow

@@ -1,0 +1,98 @@
+"""What shortens GRPO's start-up and steps on a GPU node, checked here on CPU with verl's and the launcher's
+real code: the replay buffer verl builds from the demo's sampler overrides (app/replay.py), and the vLLM
+model-info warm-up that grpo-head and grpo-worker start in the background (app/warmup.py). Their effect on
+the GPU is measured in docs/gpu-runs.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_app
+from app import demo, warmup
+from app.composition import compose
+from app.preflight import QUICK_POLL_SAMPLER
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from stack_files import write_data_dir  # noqa: E402
+
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402  (imports TransferQueue: pyproject.toml)
+
+from app.replay import QuickPollReplayBuffer  # noqa: E402
+
+
+def built_by_verl(cfg):
+    """The replay buffer verl's sync trainer builds for `cfg`, through its own _build_replay_buffer (which
+    reads only these attributes of the trainer)."""
+    trainer = types.SimpleNamespace(config=cfg, trainer_mode=cfg.trainer.v1.trainer_mode,
+                                    _add_prompts_to_generate=lambda count: None)
+    trainer._resolve_filter_groups_metric = types.MethodType(PPOTrainer._resolve_filter_groups_metric, trainer)
+    return PPOTrainer._build_replay_buffer(trainer)
+
+
+def test_verl_builds_the_demos_buffer_as_its_own_but_polling_every_tenth_of_a_second():
+    demo_cfg = compose("grpo", list(demo.GRPO_ARGS))
+    ours = built_by_verl(demo_cfg)
+    stock_args = [a for a in demo.GRPO_ARGS if "trainer.v1.sampler" not in a]
+    stock = built_by_verl(compose("grpo", stock_args))
+    assert type(ours) is QuickPollReplayBuffer and type(stock).__name__ == "ReplayBuffer"
+    assert (ours.poll_interval, stock.poll_interval) == (0.1, 2.0)
+    mine = {k: v for k, v in vars(ours).items() if k not in ("poll_interval", "sampler_kwargs", "refill_fn")}
+    verls = {k: v for k, v in vars(stock).items() if k not in ("poll_interval", "sampler_kwargs", "refill_fn")}
+    assert mine == verls and mine["train_batch_size"] == mine["gen_batch_size"] == demo.GRPO_BATCH
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["data.train_batch_size=32"], "sampler_kwargs.train_batch_size=64 (data.train_batch_size=32)"),
+    (["trainer.v1.sampler.sync_refill_failed_groups=true"], "sync_refill_failed_groups=true"),
+    (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
+])
+def test_preflight_refuses_the_quick_poll_buffer_where_verl_would_pass_it_options_it_drops(extra, named, tmp_path,
+                                                                                          tiny_model_dir):
+    data = write_data_dir(tmp_path / "data")
+    env = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data), "CKPT_DIR": str(tmp_path / "run"),
+           "DRY_RUN": "1", "ARGS": " ".join([*demo.GRPO_ARGS, *extra])}
+    last = assert_one_line_error(run_app("grpo-head", env=env))
+    assert last.startswith("error: trainer.v1.sampler.custom_sampler is app.replay's QuickPollReplayBuffer")
+    assert named in last and "drop the custom_sampler overrides" in last
+
+
+def test_the_demos_sampler_is_the_one_preflight_checks():
+    path = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.path"))
+    name = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.name"))
+    assert (path, name) == QUICK_POLL_SAMPLER and name == QuickPollReplayBuffer.__name__
+
+
+# --- the vLLM model-info warm-up ------------------------------------------------------------------------
+def test_warmup_reads_the_architectures_vllm_will_inspect(tiny_model_dir, tmp_path):
+    assert warmup.architectures(tiny_model_dir) == ["Qwen2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert warmup.architectures(tmp_path) == [] and warmup.architectures(tmp_path / "missing") == []
+    assert warmup.start(tmp_path, tmp_path / "log", {}) is None  # nothing to warm: no process
+
+
+def test_warmup_without_vllm_ends_at_once_and_says_so(tiny_model_dir, tmp_path):
+    """Here vLLM is not installed (the image has it): the background process must end on its own, exit 0,
+    and say that nothing was warmed, so that a launch never waits for or fails on it."""
+    log = tmp_path / "logs" / "vllm-warmup.log"
+    process = warmup.start(tiny_model_dir, log, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert process is not None and process.wait(timeout=120) == 0
+    assert log.read_text().strip().splitlines()[-1].startswith("vLLM is not importable here (")
+
+
+def test_stopping_the_warmup_ends_it_and_leaves_a_finished_one_alone(tmp_path):
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    began = time.monotonic()
+    warmup.stop(running)
+    assert running.returncode is not None and time.monotonic() - began < 10
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    warmup.stop(done)  # no error, nothing to do
+    assert done.returncode == 0
+    warmup.stop(None)
