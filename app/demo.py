@@ -65,8 +65,8 @@ SFT_ARGS = [
 # them and so turns verl's length filter off), and vLLM in eager mode (its compile and CUDA-graph capture cost
 # minutes that a tiny model never recovers). verl's 8 agent-loop and 8 reward workers: with 2 + 2 the first
 # step took 42 s instead of 44, and steps 2-14 12.1 s on average instead of 8.9 (generation 4.2-6.3 s against
-# 2.2: docs/gpu-runs.md run 20). And verl's replay buffer polled every 0.1 s instead of 2 (app/replay.py): the
-# 2.2 s of generation a step were one 2-second poll.
+# 2.2: docs/gpu-runs.md run 20). And verl's replay buffer polled every 0.1 s instead of 2 (app/replay.py):
+# generation 1.7 s a step instead of 2.2, steps 7.8 s instead of 8.9 (run 21).
 GRPO_BATCH = 64
 GRPO_ARGS = [
     "actor_rollout_ref.model.override_config.attn_implementation=eager",
