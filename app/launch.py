@@ -449,14 +449,15 @@ def launch_grpo_head(settings: Settings) -> int:
     os.environ.update(auth)
     head: subprocess.Popen | None = None
     address_file: ClusterAddressFile | None = None
-    warm = warmup.start(s.model_path, s.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
-    if port_open(s.head_ip or "127.0.0.1", s.ray_port):
-        say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
-    else:
-        say(f"$ {shlex.join(head_cmd)}")
-        address_file = ClusterAddressFile(s.ray_address, settings)
-        head = subprocess.Popen(head_cmd, env=settings.environ(extra))
+    warm: subprocess.Popen | None = None
     try:
+        warm = warmup.start(s.model_path, s.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
+        if port_open(s.head_ip or "127.0.0.1", s.ray_port):
+            say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
+        else:
+            say(f"$ {shlex.join(head_cmd)}")
+            address_file = ClusterAddressFile(s.ray_address, settings)
+            head = subprocess.Popen(head_cmd, env=settings.environ(extra))
         nodes = wait_for_nodes(s.ray_address, s.nnodes, s.gpus_per_node, timeout, head)
         say(f"cluster ready: {describe_nodes(nodes)}")
         rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": s.ray_address})
@@ -505,8 +506,9 @@ def launch_grpo_worker(settings: Settings) -> int:
     deadline = time.monotonic() + timeout
     # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
     log = s.run_dir / "logs" / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log"
-    warm = warmup.start(s.model_path, log, settings.environ(extra))
+    warm: subprocess.Popen | None = None
     try:
+        warm = warmup.start(s.model_path, log, settings.environ(extra))
         with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
             while True:
                 auth = _worker_auth(s, settings)

@@ -456,24 +456,52 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                  f"save every {sel('trainer.save_freq')} steps")
 
 
-QUICK_POLL_SAMPLER = ("pkg://app.replay", "QuickPollReplayBuffer")
+# app/replay.py's class and the sampler_kwargs it reads, named here rather than imported: importing it imports
+# verl's trainer modules (seconds, and warnings on stderr); tests/test_grpo_startup.py checks that they match
+QUICK_POLL_FILE, QUICK_POLL_CLASS = Path(__file__).with_name("replay.py"), "QuickPollReplayBuffer"
+QUICK_POLL_KEYS, QUICK_POLL_MIN = ("poll_interval", "train_batch_size"), 0.01
+
+
+def _sampler_module(path: str) -> tuple[str | None, Path | None]:
+    """The module verl's load_module (verl/utils/import_utils.py) reads for a custom sampler path: a package
+    path (`pkg://a.b` or `pkg://a/b`) or a file (`file://x.py`, `x.py`), resolved without importing it."""
+    if path.startswith("pkg://"):
+        name = path[len("pkg://"):].replace("/", ".")
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        return name, Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    file = Path(path[len("file://"):] if path.startswith("file://") else path)
+    return None, file.resolve() if file.is_file() else None
 
 
 def _check_quick_poll_sampler(sel, batch: int) -> None:
     """app/replay.py's sampler gets from verl only what a custom sampler gets, so it serves only the case
-    verl's own replay buffer serves without the options it would drop."""
+    verl's own replay buffer serves without the options it would drop. Recognised however its module path is
+    spelled (verl accepts several), and without importing it (verl's trainer modules are slow to import)."""
     sampler = "trainer.v1.sampler"
-    if (sel(f"{sampler}.custom_sampler.path"), sel(f"{sampler}.custom_sampler.name")) != QUICK_POLL_SAMPLER:
+    path, name = sel(f"{sampler}.custom_sampler.path"), sel(f"{sampler}.custom_sampler.name")
+    if not (path and name):
         return
-    kwargs_batch = sel(f"{sampler}.sampler_kwargs.train_batch_size")
+    module, origin = _sampler_module(str(path))
+    if origin is None:
+        raise UserError(f"{sampler}.custom_sampler.path={path}: verl would find no such "
+                        f"{'module' if module else 'file'} here; fix the path, or drop the custom_sampler overrides")
+    if not (origin == QUICK_POLL_FILE.resolve() and name == QUICK_POLL_CLASS):
+        return
+    poll_key, batch_key = QUICK_POLL_KEYS
+    kwargs_batch, poll = sel(f"{sampler}.sampler_kwargs.{batch_key}"), sel(f"{sampler}.sampler_kwargs.{poll_key}")
     gen_batch = sel("data.gen_batch_size")
+    poll_ok = poll is None or (isinstance(poll, (int, float)) and not isinstance(poll, bool) and poll >= QUICK_POLL_MIN)
     problems = [found for found, bad in [
         (f"trainer.v1.trainer_mode={sel('trainer.v1.trainer_mode')}", sel("trainer.v1.trainer_mode") != "sync"),
         ("algorithm.filter_groups.enable=true", bool(sel("algorithm.filter_groups.enable"))),
         (f"{sampler}.sync_refill_failed_groups=true", bool(sel(f"{sampler}.sync_refill_failed_groups"))),
         (f"data.gen_batch_size={gen_batch}", gen_batch not in (None, batch)),
-        (f"{sampler}.sampler_kwargs.train_batch_size={kwargs_batch} (data.train_batch_size={batch})",
-         kwargs_batch != batch)] if bad]
+        (f"{sampler}.sampler_kwargs.{batch_key}={kwargs_batch} (data.train_batch_size={batch})", kwargs_batch != batch),
+        (f"{sampler}.sampler_kwargs.{poll_key}={poll} (at least {QUICK_POLL_MIN} seconds)", not poll_ok)]
+        if bad]
     if problems:
         raise UserError(f"{sampler}.custom_sampler is app.replay's QuickPollReplayBuffer, which serves verl's sync "
                         f"trainer without DAPO filtering or failed-group refill, given sampler_kwargs.train_batch_size "

@@ -13,23 +13,30 @@ its own extension point for samplers; everything but the interval is verl's. The
 
 verl hands a custom sampler less than its own (no train or generation batch size, no DAPO group filter, no
 failed-group refill), so this one takes the batch size from sampler_kwargs and serves only what verl's
-default serves without those options: the sync trainer, no filter_groups, no sync_refill_failed_groups
-(preflight refuses the others, app/preflight.py).
+default serves without those options: the sync trainer, no filter_groups, no sync_refill_failed_groups, no
+other generation batch. Preflight recognises this class however its module path is spelled (verl accepts
+several) and refuses the other cases, and an interval under MIN_POLL (app/preflight.py).
 """
 
 from __future__ import annotations
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-# keys of sampler_kwargs this class reads
-POLL_KEY, BATCH_KEY = "poll_interval", "train_batch_size"
+# keys of sampler_kwargs this class reads; the interval's floor keeps the poll from spinning on TransferQueue
+POLL_KEY, BATCH_KEY, DEFAULT_POLL, MIN_POLL = "poll_interval", "train_batch_size", 0.1, 0.01
 
 
 class QuickPollReplayBuffer(ReplayBuffer):
-    def __init__(self, *, sampler_kwargs, **verl_kwargs):
+    def __init__(self, *, sampler_kwargs, trainer_mode, **verl_kwargs):
         options = dict(sampler_kwargs or {})
-        batch = int(options[BATCH_KEY])
+        # preflight refuses these first (app/preflight.py); here for a config that did not pass through it
+        if trainer_mode != "sync":
+            raise ValueError(f"QuickPollReplayBuffer serves verl's sync trainer only, not trainer_mode={trainer_mode}")
+        if BATCH_KEY not in options:
+            raise ValueError(f"QuickPollReplayBuffer needs sampler_kwargs.{BATCH_KEY} (= data.train_batch_size)")
+        poll, batch = float(options.get(POLL_KEY, DEFAULT_POLL)), int(options[BATCH_KEY])
+        if not poll >= MIN_POLL:
+            raise ValueError(f"sampler_kwargs.{POLL_KEY}={poll}: give at least {MIN_POLL} seconds")
         # what verl's _build_replay_buffer passes its own ReplayBuffer in sync mode without DAPO
-        super().__init__(sampler_kwargs=sampler_kwargs, poll_interval=float(options.get(POLL_KEY, 0.1)),
-                         train_batch_size=batch, gen_batch_size=batch, max_inflight_gen_batches=1,
-                         **verl_kwargs)
+        super().__init__(sampler_kwargs=sampler_kwargs, trainer_mode=trainer_mode, poll_interval=poll,
+                         train_batch_size=batch, gen_batch_size=batch, max_inflight_gen_batches=1, **verl_kwargs)

@@ -15,13 +15,15 @@ it, vLLM inspects the model as before), and its output goes to a log file.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from app.common import say
+from app.common import raise_terminated, say
 
 
 def architectures(model_path: Path) -> list[str]:
@@ -34,31 +36,48 @@ def architectures(model_path: Path) -> list[str]:
 
 
 def start(model_path: Path | None, log: Path, environ: dict[str, str]) -> subprocess.Popen | None:
-    """This module as a background process, its output in `log`; None where there is no model to warm."""
+    """This module as a background process, its output in `log`; None where there is no model to warm.
+    In a process group of its own, so that stop() reaches vLLM's inspection subprocess too."""
     if model_path is None or not architectures(model_path):
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "app.warmup", str(model_path)], env=environ,
-                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     # reaped when it ends (about 45 s in), not left a zombie until the launch ends (run 21)
     threading.Thread(target=process.wait, daemon=True).start()
     say(f"warming vLLM's model-info cache in the background (log: {log})")
     return process
 
 
-def stop(process: subprocess.Popen | None) -> None:
-    """Ends it where it is still running when the launch ends (an early failure, Ctrl-C)."""
-    if process is not None and process.poll() is None:
-        process.terminate()
+def stop(process: subprocess.Popen | None, grace: float = 10.0) -> None:
+    """Ends what is left of it when the launch ends (an early failure, Ctrl-C, SIGTERM): its whole process
+    group, SIGTERM then SIGKILL. Nothing where it is over (a group outlives its leader while members remain,
+    and Linux reuses no id a group still holds)."""
+    if process is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: list[str]) -> int:
+    # SIGTERM from stop() as an exception: vLLM's subprocess.run then kills its inspection child and removes
+    # its temporary directory
+    signal.signal(signal.SIGTERM, raise_terminated)
     model_path = Path(argv[0])
     began = time.monotonic()
     try:
@@ -87,4 +106,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # stopped (app.common.Terminated is one): nothing to report
+        sys.exit(143)

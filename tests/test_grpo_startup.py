@@ -5,7 +5,10 @@ the GPU is measured in docs/gpu-runs.md."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +20,6 @@ import pytest
 from conftest import REPO, assert_one_line_error, run_app
 from app import demo, warmup
 from app.composition import compose
-from app.preflight import QUICK_POLL_SAMPLER
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from stack_files import write_data_dir  # noqa: E402
@@ -52,21 +54,44 @@ def test_verl_builds_the_demos_buffer_as_its_own_but_polling_every_tenth_of_a_se
     (["data.train_batch_size=32"], "sampler_kwargs.train_batch_size=64 (data.train_batch_size=32)"),
     (["trainer.v1.sampler.sync_refill_failed_groups=true"], "sync_refill_failed_groups=true"),
     (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+     "algorithm.filter_groups.enable=true"),
+    (["data.gen_batch_size=32"], "data.gen_batch_size=32"),
+    (["+trainer.v1.sampler.sampler_kwargs.poll_interval=-1"], "sampler_kwargs.poll_interval=-1 (at least 0.01"),
+    (["+trainer.v1.sampler.sampler_kwargs.poll_interval=0"], "sampler_kwargs.poll_interval=0 (at least 0.01"),
+    # another spelling of the same module, which verl loads as well
+    (["trainer.v1.sampler.custom_sampler.path=pkg://app/replay", "trainer.v1.trainer_mode=colocate_async"],
+     "trainer.v1.trainer_mode=colocate_async"),
 ])
 def test_preflight_refuses_the_quick_poll_buffer_where_verl_would_pass_it_options_it_drops(extra, named, tmp_path,
                                                                                           tiny_model_dir):
+    args = [a for a in demo.GRPO_ARGS if not (a.startswith("+trainer.v1.sampler.sampler_kwargs.poll_interval")
+                                              and any("poll_interval" in e for e in extra))]
     data = write_data_dir(tmp_path / "data")
     env = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data), "CKPT_DIR": str(tmp_path / "run"),
-           "DRY_RUN": "1", "ARGS": " ".join([*demo.GRPO_ARGS, *extra])}
+           "DRY_RUN": "1", "ARGS": " ".join([*args, *extra])}
     last = assert_one_line_error(run_app("grpo-head", env=env))
     assert last.startswith("error: trainer.v1.sampler.custom_sampler is app.replay's QuickPollReplayBuffer")
     assert named in last and "drop the custom_sampler overrides" in last
 
 
-def test_the_demos_sampler_is_the_one_preflight_checks():
-    path = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.path"))
-    name = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.name"))
-    assert (path, name) == QUICK_POLL_SAMPLER and name == QuickPollReplayBuffer.__name__
+@pytest.mark.parametrize("path, says", [("pkg://app.no_such_module", "no such module"),
+                                         ("file://no/such/file.py", "no such file")])
+def test_preflight_refuses_a_custom_sampler_path_verl_would_not_find(path, says, tmp_path, tiny_model_dir):
+    data = write_data_dir(tmp_path / "data")
+    env = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data), "CKPT_DIR": str(tmp_path / "run"),
+           "DRY_RUN": "1", "ARGS": " ".join([*demo.GRPO_ARGS, f"trainer.v1.sampler.custom_sampler.path={path}"])}
+    last = assert_one_line_error(run_app("grpo-head", env=env))
+    assert last.startswith(f"error: trainer.v1.sampler.custom_sampler.path={path}: verl would find {says} here")
+
+
+def test_preflight_names_the_class_and_keys_app_replay_defines():
+    from app import preflight, replay
+
+    assert preflight.QUICK_POLL_FILE == Path(replay.__file__) and preflight.QUICK_POLL_CLASS == QuickPollReplayBuffer.__name__
+    assert preflight.QUICK_POLL_KEYS == (replay.POLL_KEY, replay.BATCH_KEY) and preflight.QUICK_POLL_MIN == replay.MIN_POLL
+    demo_path = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.path="))
+    assert preflight._sampler_module(demo_path) == ("app.replay", Path(replay.__file__).resolve())
 
 
 # --- the vLLM model-info warm-up ------------------------------------------------------------------------
@@ -77,6 +102,7 @@ def test_warmup_reads_the_architectures_vllm_will_inspect(tiny_model_dir, tmp_pa
     assert warmup.start(tmp_path, tmp_path / "log", {}) is None  # nothing to warm: no process
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="about a node without vLLM")
 def test_warmup_without_vllm_ends_at_once_and_says_so(tiny_model_dir, tmp_path):
     """Here vLLM is not installed (the image has it): the background process must end on its own, exit 0,
     and say that nothing was warmed, so that a launch never waits for or fails on it."""
@@ -90,13 +116,36 @@ def test_warmup_without_vllm_ends_at_once_and_says_so(tiny_model_dir, tmp_path):
     assert log.read_text().strip().splitlines()[-1].startswith("vLLM is not importable here (")
 
 
-def test_stopping_the_warmup_ends_it_and_leaves_a_finished_one_alone(tmp_path):
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    began = time.monotonic()
-    warmup.stop(running)
-    assert running.returncode is not None and time.monotonic() - began < 10
-    done = subprocess.Popen([sys.executable, "-c", "pass"])
+def test_stopping_the_warmup_ends_vllms_inspection_child_too(tiny_model_dir, tmp_path):
+    """vLLM inspects the model in a child process (a stand-in registry here, tests/fixtures/vllm_standin): a
+    launch that ends while it runs must leave neither the warm-up nor that child behind."""
+    pidfile = tmp_path / "child.pid"
+    environ = {"PATH": "/usr/bin:/bin", "STANDIN_PIDFILE": str(pidfile),
+               "PYTHONPATH": f"{Path(__file__).parent / 'fixtures' / 'vllm_standin'}{os.pathsep}{REPO}"}
+    process = warmup.start(tiny_model_dir, tmp_path / "warmup.log", environ)
+    deadline = time.monotonic() + 60
+    while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    try:
+        began = time.monotonic()
+        warmup.stop(process)
+        assert time.monotonic() - began < 10  # both ended on SIGTERM, no SIGKILL needed
+        gone = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and time.monotonic() < gone:  # reaped by init once it ends
+            time.sleep(0.1)
+        assert not Path(f"/proc/{child}").exists() and process.poll() is not None
+    finally:
+        for pid in (child, process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_stopping_a_finished_warmup_does_nothing(tmp_path):
+    done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     done.wait()
-    warmup.stop(done)  # no error, nothing to do
-    assert done.returncode == 0
+    warmup.stop(done)
     warmup.stop(None)
+    assert done.returncode == 0
