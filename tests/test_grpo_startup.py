@@ -50,6 +50,13 @@ def test_verl_builds_the_demos_buffer_as_its_own_but_polling_every_tenth_of_a_se
     assert mine == verls and mine["train_batch_size"] == mine["gen_batch_size"] == demo.GRPO_BATCH
 
 
+def dry_grpo_head_error(tmp_path: Path, model: Path, args: list[str]) -> str:
+    """`DRY_RUN=1 python -m app grpo-head` with these ARGS; its one error line (asserted to be one)."""
+    env = {"MODEL_PATH": str(model), "DATA_DIR": str(write_data_dir(tmp_path / "data")),
+           "CKPT_DIR": str(tmp_path / "run"), "DRY_RUN": "1", "ARGS": " ".join(args)}
+    return assert_one_line_error(run_app("grpo-head", env=env))
+
+
 @pytest.mark.parametrize("extra, named", [
     (["data.train_batch_size=32"], "sampler_kwargs.train_batch_size=64 (data.train_batch_size=32)"),
     (["trainer.v1.sampler.sync_refill_failed_groups=true"], "sync_refill_failed_groups=true"),
@@ -67,10 +74,7 @@ def test_preflight_refuses_the_quick_poll_buffer_where_verl_would_pass_it_option
                                                                                           tiny_model_dir):
     args = [a for a in demo.GRPO_ARGS if not (a.startswith("+trainer.v1.sampler.sampler_kwargs.poll_interval")
                                               and any("poll_interval" in e for e in extra))]
-    data = write_data_dir(tmp_path / "data")
-    env = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data), "CKPT_DIR": str(tmp_path / "run"),
-           "DRY_RUN": "1", "ARGS": " ".join([*args, *extra])}
-    last = assert_one_line_error(run_app("grpo-head", env=env))
+    last = dry_grpo_head_error(tmp_path, tiny_model_dir, [*args, *extra])
     assert last.startswith("error: trainer.v1.sampler.custom_sampler is app.replay's QuickPollReplayBuffer")
     assert named in last and "drop the custom_sampler overrides" in last
 
@@ -78,10 +82,7 @@ def test_preflight_refuses_the_quick_poll_buffer_where_verl_would_pass_it_option
 @pytest.mark.parametrize("path, says", [("pkg://app.no_such_module", "no such module"),
                                          ("file://no/such/file.py", "no such file")])
 def test_preflight_refuses_a_custom_sampler_path_verl_would_not_find(path, says, tmp_path, tiny_model_dir):
-    data = write_data_dir(tmp_path / "data")
-    env = {"MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data), "CKPT_DIR": str(tmp_path / "run"),
-           "DRY_RUN": "1", "ARGS": " ".join([*demo.GRPO_ARGS, f"trainer.v1.sampler.custom_sampler.path={path}"])}
-    last = assert_one_line_error(run_app("grpo-head", env=env))
+    last = dry_grpo_head_error(tmp_path, tiny_model_dir, [*demo.GRPO_ARGS, f"trainer.v1.sampler.custom_sampler.path={path}"])
     assert last.startswith(f"error: trainer.v1.sampler.custom_sampler.path={path}: verl would find {says} here")
 
 
