@@ -11,7 +11,8 @@
 #   BENCH_DIR  where model, data and logs go (default runs/bench-grpo; git-ignored)
 #   PRESET     model shape from app/tiny.py (default qwen2.5-0.5b, random weights)
 #   BATCH      prompts per step (default 64; the examples use 1024 on 8 GPUs)   N  samples per prompt (5)
-#   RESPONSE   max response tokens (default 1024, as the examples)   STEPS  steps, step 1 not timed (4)
+#   RESPONSE   max response tokens (default 1024, as the examples)   STEPS  steps (4)
+#   WARMUP     first steps not timed (default 1)
 #   NGPU       GPUs on this node (default 1)                          PYTHON interpreter (default python3)
 # A random-weight model answers until max length, so generation is the worst case of a real run.
 set -euo pipefail
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BENCH_DIR=$(mkdir -p "${BENCH_DIR:-runs/bench-grpo}" && cd "${BENCH_DIR:-runs/bench-grpo}" && pwd)
 PRESET=${PRESET:-qwen2.5-0.5b}; BATCH=${BATCH:-64}; N=${N:-5}; RESPONSE=${RESPONSE:-1024}; STEPS=${STEPS:-4}
-NGPU=${NGPU:-1}
+NGPU=${NGPU:-1}; WARMUP=${WARMUP:-1}
 configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
 
 [ -f "$BENCH_DIR/model/config.json" ] || $PYTHON -m app tiny-model "$BENCH_DIR/model" --preset "$PRESET"
@@ -77,7 +78,7 @@ for name in "${configs[@]}"; do
       || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
     continue
   fi
-  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --log "$log" --timeout "${BENCH_TIMEOUT:-900}" \
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --warmup "$WARMUP" --log "$log" --timeout "${BENCH_TIMEOUT:-900}" \
            --tokens-key perf/total_num_tokens -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
@@ -87,7 +88,7 @@ if [ "${BENCH_CHECK:-0}" = 1 ]; then
   [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
   echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
 fi
-echo "== GRPO: $PRESET shape, batch $BATCH x n=$N, responses <= $RESPONSE tokens, $NGPU GPU(s), steps 2..$STEPS timed"
+echo "== GRPO: $PRESET shape, batch $BATCH x n=$N, responses <= $RESPONSE tokens, $NGPU GPU(s), steps $((WARMUP + 1))..$STEPS timed"
 echo "   (tokens/s is per node; perf/throughput is verl's own tokens/s/GPU)"
 printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock \
     --extra perf/throughput timing_s/gen timing_s/old_log_prob timing_s/ref timing_s/update_actor

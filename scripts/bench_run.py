@@ -4,7 +4,9 @@
 
 verl's console logger prints `step:N - key:value - ...` once per step, but SFT logs no step time, so
 each line is stamped on arrival here and tokens/s is the step's train/global_tokens over the time
-since the previous step line (step 1, which carries compile and warm-up, is left out of the means).
+since the previous step line. The first --warmup steps (default 1: compile and warm-up) are left out
+of the means; a later step can still recompile for a new shape (torch.compile's dynamic shapes), so a
+steady-state reading times from step 3 on (--warmup 2).
 The command runs in its own process session and that session is ended after step --steps, so a
 benchmark does not pay for verl's end-of-training checkpoint. The summary is one JSON line starting
 with `BENCH ` (scripts/bench_sft.sh and bench_grpo.sh collect those).
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--label", required=True)
     parser.add_argument("--steps", type=int, default=4, help="stop after this step is logged")
     parser.add_argument("--log", required=True, help="full output goes here")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the means (at least 1)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--tokens-key", default="train/global_tokens")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -83,9 +86,11 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    summary: dict = {"label": args.label, "steps": len(steps), "end": stopped, "rc": proc.returncode,
+    summary: dict = {"label": args.label, "steps": len(steps), "warmup": max(args.warmup, 1), "end": stopped, "rc": proc.returncode,
                      "wall_s": round(time.monotonic() - start, 1)}
-    timed = [(n, t, m, t - steps[i - 1][1]) for i, (n, t, m) in enumerate(steps) if i > 0]
+    # each timed step is measured from the previous step line, so the first one is never timed
+    warmup = max(args.warmup, 1)
+    timed = [(n, t, m, t - steps[i - 1][1]) for i, (n, t, m) in enumerate(steps) if i >= warmup]
     if timed:
         tokens = sum(m.get(args.tokens_key, 0.0) for _, _, m, _ in timed)
         seconds = sum(dt for *_, dt in timed)
@@ -101,7 +106,7 @@ def main() -> int:
         summary["loss"] = [round(m["train/loss"], 4) for _, _, m, in steps if "train/loss" in m]
         summary["first_step_s"] = round(steps[0][1], 1)
     print("BENCH " + json.dumps(summary), flush=True)
-    return 0 if len(steps) >= min(args.steps, 2) else 1
+    return 0 if len(steps) >= min(args.steps, max(args.warmup, 1) + 1) else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #   BENCH_DIR   where the model, data and logs go (default runs/bench-sft; git-ignored)
 #   PRESET      model shape from app/tiny.py (default qwen2.5-1.5b, random weights)
 #   SEQ_TOKENS  tokens per sample (default 2104)     BATCH  global batch in samples (default 32)
-#   STEPS       steps per config; step 1 (compile, warm-up) is not timed (default 4)
+#   STEPS       steps per config (default 4)   WARMUP  first steps not timed (default 1: compile; 2 also
+#               leaves out step 2, where torch.compile recompiles for a second packed length)
 #   NGPU        GPUs on this node (default 1)        PYTHON interpreter (default python3)
 # verl's stock global batch is 256; a smaller one changes only how often the optimizer steps, and keeps
 # each config to about a minute. tokens/s is measured here from the time between verl's step lines
@@ -21,6 +22,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BENCH_DIR=$(mkdir -p "${BENCH_DIR:-runs/bench-sft}" && cd "${BENCH_DIR:-runs/bench-sft}" && pwd)
 PRESET=${PRESET:-qwen2.5-1.5b}; SEQ_TOKENS=${SEQ_TOKENS:-2104}; BATCH=${BATCH:-32}; STEPS=${STEPS:-4}
+WARMUP=${WARMUP:-1}
 NGPU=${NGPU:-1}
 configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
 
@@ -46,7 +48,7 @@ stockopt=(optim.lr=1e-3 optim.lr_scheduler_type=constant optim.lr_warmup_steps_r
 
 results=(); failed=()
 for label in "${configs[@]}"; do
-  extra=()
+  extra=(); run_env=()
   name=${label%-stockopt}
   case $name in
     stock)      ;;                                          # verl's defaults, nothing else changed
@@ -62,6 +64,10 @@ for label in "${configs[@]}"; do
     profile)    ;;                                          # `make sft` as shipped: preflight's choices
     profile-liger) extra=(model.use_liger=True) ;;           # + Liger's rmsnorm/swiglu/rope kernels
     profile-pad) extra=(engine.pad_to_length=True) ;;        # + packed rows padded to 1k buckets (repeat shapes)
+    profile-fsdp2) extra=(engine.strategy=fsdp2) ;;          # + FSDP2 (per-parameter sharding) instead of FSDP1
+    # + PyTorch's expandable allocator segments: the profile's reserved memory reaches 135 of 140 GiB, where
+    # a fragmented cache frees and retries its cudaMallocs
+    profile-expandable) run_env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
     *) echo "unknown config $name" >&2; exit 2 ;;
   esac
   [ "$name" != "$label" ] && extra+=("${stockopt[@]}")
@@ -69,7 +75,7 @@ for label in "${configs[@]}"; do
   log="$BENCH_DIR/$name.log"
   if [[ $name == profile* ]]; then
     # our `make sft`, as a user runs it, with only the benchmark's data/model/length/step count set
-    cmd=(make sft RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" TRAIN_FILE="$data" NNODES=1 NODE_RANK=0
+    cmd=(env "${run_env[@]}" make sft RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" TRAIN_FILE="$data" NNODES=1 NODE_RANK=0
          GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-profile" FRESH=1
          ARGS="data.max_length=$((SEQ_TOKENS * 2)) data.train_batch_size=$BATCH trainer.total_training_steps=$((STEPS + 1)) trainer.logger=[console] trainer.test_freq=-1 ${extra[*]}")
   else
@@ -83,7 +89,7 @@ for label in "${configs[@]}"; do
       || { echo "== $name: does not compose; last lines of $log:"; tail -5 "$log"; failed+=("$name"); }
     continue
   fi
-  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
+  line=$($PYTHON scripts/bench_run.py --label "$name" --steps "$STEPS" --warmup "$WARMUP" --timeout "${BENCH_TIMEOUT:-600}" --log "$log" -- "${cmd[@]}" | tee -a /dev/stderr | grep '^BENCH ' || true)
   [ -n "$line" ] || { echo "== $name: no summary; last lines of $log:"; tail -25 "$log"; }
   results+=("${line#BENCH }")
 done
@@ -92,5 +98,5 @@ if [ "${BENCH_CHECK:-0}" = 1 ]; then
   [ ${#failed[@]} -eq 0 ] && { echo "== BENCH_CHECK: ${configs[*]} compose"; exit 0; }
   echo "== BENCH_CHECK: ${failed[*]} do not compose (logs in $BENCH_DIR)" >&2; exit 1
 fi
-echo "== SFT throughput: $PRESET shape, ~$SEQ_TOKENS-token samples, batch $BATCH, $NGPU GPU(s), steps 2..$STEPS timed"
+echo "== SFT throughput: $PRESET shape, ~$SEQ_TOKENS-token samples, batch $BATCH, $NGPU GPU(s), steps $((WARMUP + 1))..$STEPS timed"
 printf '%s\n' "${results[@]}" | $PYTHON scripts/bench_table.py --base stock

@@ -21,3 +21,19 @@ def test_deadline_ends_a_silent_command_and_still_prints_the_steps_so_far(tmp_pa
     assert summary["wall_s"] < 15  # not the 60 s the command would have slept
     assert 250 < summary["tokens_per_s"] < 320  # step 2's 300 tokens over the ~1 s since step 1
     assert "step:2" in (tmp_path / "run.log").read_text()
+
+
+def test_warmup_steps_are_left_out_of_the_means(tmp_path):
+    # step 2 is slow (a recompile for a new shape), steps 3-4 are steady: --warmup 2 times only 3-4
+    script = ('echo "step:1 - train/global_tokens:100"; sleep 2; echo "step:2 - train/global_tokens:100"; '
+              'sleep 0.2; echo "step:3 - train/global_tokens:100"; sleep 0.2; echo "step:4 - train/global_tokens:100"')
+    summaries = {}
+    for warmup in (1, 2):
+        result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_run.py"), "--label", "w",
+                                 "--steps", "4", "--warmup", str(warmup), "--log", str(tmp_path / "run.log"),
+                                 "--", "bash", "-c", script], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stdout + result.stderr
+        line = next(x for x in result.stdout.splitlines() if x.startswith("BENCH "))
+        summaries[warmup] = json.loads(line[len("BENCH "):])
+    assert summaries[2]["warmup"] == 2 and summaries[2]["step_s"] < 0.6  # the 2 s step is not in it
+    assert summaries[1]["step_s"] > 0.7  # with --warmup 1 it is: (2 + 0.2 + 0.2) / 3
