@@ -11,8 +11,8 @@
 #   BENCH_DIR   where the model, data and logs go (default runs/bench-sft; git-ignored)
 #   PRESET      model shape from app/tiny.py (default qwen2.5-1.5b, random weights)
 #   SEQ_TOKENS  tokens per sample (default 2104)     BATCH  global batch in samples (default 32)
-#   STEPS       steps per config (default 4)   WARMUP  first steps not timed (default 1: compile; 2 also
-#               leaves out step 2, where torch.compile recompiles for a second packed length)
+#   STEPS       steps per config (default 6)   WARMUP  first steps not timed (default 2: step 1 compiles,
+#               and step 2 recompiles for a second packed length: 4.3-4.8 s against 1.8 s after, GPU run 22)
 #   NGPU        GPUs on this node (default 1)        PYTHON interpreter (default python3)
 # verl's stock global batch is 256; a smaller one changes only how often the optimizer steps, and keeps
 # each config to about a minute. tokens/s is measured here from the time between verl's step lines
@@ -21,8 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BENCH_DIR=$(mkdir -p "${BENCH_DIR:-runs/bench-sft}" && cd "${BENCH_DIR:-runs/bench-sft}" && pwd)
-PRESET=${PRESET:-qwen2.5-1.5b}; SEQ_TOKENS=${SEQ_TOKENS:-2104}; BATCH=${BATCH:-32}; STEPS=${STEPS:-4}
-WARMUP=${WARMUP:-1}
+PRESET=${PRESET:-qwen2.5-1.5b}; SEQ_TOKENS=${SEQ_TOKENS:-2104}; BATCH=${BATCH:-32}; STEPS=${STEPS:-6}
+WARMUP=${WARMUP:-2}
 NGPU=${NGPU:-1}
 configs=("$@"); [ ${#configs[@]} -eq 0 ] && configs=(stock profile)
 

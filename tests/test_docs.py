@@ -1,6 +1,7 @@
 """The README is the manual: every Make target and every registered variable (app/settings.py) is in
-it, in the English and in the Chinese half."""
+it, in the English and in the Chinese half; every benchmark record in docs/bench is traceable to its run."""
 
+import json
 import re
 
 from conftest import REPO
@@ -30,3 +31,22 @@ def test_every_registered_variable_is_documented_in_both_languages():
     for half in _readme_halves():
         missing = [var.name for var in REGISTRY if not re.search(rf"`{var.name}`", half)]
         assert not missing, missing
+
+
+def test_every_bench_record_names_its_run_and_is_linked_from_the_benchmarks_page():
+    """docs/bench/*.jsonl hold BENCH lines as scripts/bench_run.py prints them, with the date, machine and command
+    of the run added (issue 16, "Results"); a record nobody can trace back to a run is worth nothing."""
+    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    records = sorted((REPO / "docs" / "bench").glob("*.jsonl"))
+    assert records
+    for path in records:
+        day = re.search(r"(\d{4}-\d{2}-\d{2})\.jsonl$", path.name)
+        assert day, f"{path.name}: named <bench>-<date>.jsonl"
+        assert f"(bench/{path.name})" in page, f"{path.name} is not linked from docs/benchmarks.md"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert lines, f"{path.name} is empty"
+        for number, line in enumerate(lines, 1):
+            record = json.loads(line)
+            missing = {"label", "date", "machine", "command"} - set(record)
+            assert not missing, f"{path.name}:{number} lacks {sorted(missing)}"
+            assert record["date"].startswith(day.group(1)), f"{path.name}:{number}: date {record['date']}"
