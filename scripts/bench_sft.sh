@@ -65,6 +65,8 @@ for label in "${configs[@]}"; do
     profile-liger) extra=(model.use_liger=True) ;;           # + Liger's rmsnorm/swiglu/rope kernels
     profile-pad) extra=(engine.pad_to_length=True) ;;        # + packed rows padded to 1k buckets (repeat shapes)
     profile-fsdp2) extra=(engine.strategy=fsdp2) ;;          # + FSDP2 (per-parameter sharding) instead of FSDP1
+    profile-nocompile) extra=(engine.use_torch_compile=False) ;;  # verl's torch.compile of its entropy function off
+    profile-dl4) extra=(data.num_workers=4) ;;               # 4 DataLoader workers instead of the profile's 2
     # + PyTorch's expandable allocator segments: the profile's reserved memory reaches 135 of 140 GiB, where
     # a fragmented cache frees and retries its cudaMallocs
     profile-expandable) run_env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
