@@ -52,7 +52,7 @@ for name in "${configs[@]}"; do
     stock)   cmd=("$PYTHON" -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
                   trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
     # the profile (`make grpo-head` as shipped), and candidates on top of it, one change each
-    profile|profile-*) case $name in
+    profile|profile-*) run_env=(); case $name in
                profile) extra="" ;;
                profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
                profile-unfused) extra=actor_rollout_ref.model.use_fused_kernels=False ;;  # verl's per-token log-probs
@@ -64,9 +64,12 @@ for name in "${configs[@]}"; do
                # 2 agent-loop and 2 reward workers instead of verl's 8 + 8 Ray actors, each a Python process that
                # imports verl (and the agent loop's vLLM client) while vLLM starts on the same CPUs
                profile-workers2) extra="actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2" ;;
+               # vLLM's own torch.compile cache on (verl turns it off, VLLM_DISABLE_COMPILE_CACHE=1, for a corruption
+               # that torch >= 2.10's atomic writes fixed, per SkyRL PR 2167): only a second start can gain, so run it twice
+               profile-vllmcache) extra=""; run_env=(VLLM_DISABLE_COMPILE_CACHE=0) ;;
                *) echo "unknown config $name" >&2; exit 2 ;;
              esac
-             cmd=(make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
+             cmd=(env "${run_env[@]}" make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
                   NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-$name" FRESH=1
                   ARGS="${shape[*]} trainer.save_freq=100000 actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4)) $extra") ;;
     *) echo "unknown config $name" >&2; exit 2 ;;

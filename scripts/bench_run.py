@@ -49,6 +49,7 @@ def main() -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    warmup = max(args.warmup, 1)  # each step is timed from the previous step line, so step 1 never is
 
     start = time.monotonic()
     steps: list[tuple[int, float, dict]] = []
@@ -86,10 +87,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    summary: dict = {"label": args.label, "steps": len(steps), "warmup": max(args.warmup, 1), "end": stopped, "rc": proc.returncode,
-                     "wall_s": round(time.monotonic() - start, 1)}
-    # each timed step is measured from the previous step line, so the first one is never timed
-    warmup = max(args.warmup, 1)
+    summary: dict = {"label": args.label, "steps": len(steps), "warmup": warmup, "end": stopped,
+                     "rc": proc.returncode, "wall_s": round(time.monotonic() - start, 1)}
     timed = [(n, t, m, t - steps[i - 1][1]) for i, (n, t, m) in enumerate(steps) if i >= warmup]
     if timed:
         tokens = sum(m.get(args.tokens_key, 0.0) for _, _, m, _ in timed)
@@ -106,7 +105,7 @@ def main() -> int:
         summary["loss"] = [round(m["train/loss"], 4) for _, _, m, in steps if "train/loss" in m]
         summary["first_step_s"] = round(steps[0][1], 1)
     print("BENCH " + json.dumps(summary), flush=True)
-    return 0 if len(steps) >= min(args.steps, max(args.warmup, 1) + 1) else 1
+    return 0 if len(steps) >= min(args.steps, warmup + 1) else 1
 
 
 if __name__ == "__main__":
