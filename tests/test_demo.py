@@ -356,14 +356,16 @@ def _beside_plan(tmp_path, monkeypatch, eval_code: str, grpo_code: str):
 
 
 def test_eval_sft_runs_beside_grpo_and_is_marked_done_after_it(tmp_path, monkeypatch, capsys):
-    """Each stand-in waits for a file the other writes, so the demo passes only if both run at once; GRPO
-    goes on 2 s after the eval ended, which the eval's own time must not include."""
+    """Each stand-in waits for a file the other writes, so the demo passes only if both run at once; the eval
+    then works 0.5 s (its time is rounded to 0.1 s: a quicker one reads 0.0), and GRPO goes on 2 s after the
+    eval ended, which the eval's own time must not include."""
     from app.settings import load
 
     grpo_up, eval_done = tmp_path / "grpo-up", tmp_path / "eval-done"
     demo = _beside_plan(
         tmp_path, monkeypatch,
-        _waits_for(grpo_up, f"print('arith accuracy 80.00% (8/10)')\npathlib.Path({str(eval_done)!r}).touch()"),
+        _waits_for(grpo_up, "time.sleep(0.5)\nprint('arith accuracy 80.00% (8/10)')\n"
+                            f"pathlib.Path({str(eval_done)!r}).touch()"),
         f"import pathlib\npathlib.Path({str(grpo_up)!r}).touch()\n" + _waits_for(eval_done, "time.sleep(2)"))
     assert demo.main("demo", [], load()) == 0
     out = capsys.readouterr().out
@@ -372,7 +374,7 @@ def test_eval_sft_runs_beside_grpo_and_is_marked_done_after_it(tmp_path, monkeyp
     assert out.index("=== grpo took") < out.index("eval-sft (beside grpo) took")
     took = {name: json.loads((tmp_path / "stages" / f"{name}.json").read_text())["seconds"]
             for name in ("eval-sft", "grpo")}
-    assert 0 < took["eval-sft"] <= took["grpo"] - 1.5
+    assert 0.5 <= took["eval-sft"] <= took["grpo"] - 1.5
     # a rerun skips both
     assert demo.main("demo", [], load()) == 0
     assert capsys.readouterr().out.count("done in an earlier run with the same settings, skipped") == 2
