@@ -70,7 +70,7 @@ for name in "${configs[@]}"; do
                # vLLM without its torch.compile (mode 0, CompilationMode.NONE) but with full CUDA graphs, which FA3
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset
-               profile-o0) extra=+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL} ;;
+               profile-o0) extra='+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
                *) echo "unknown config $name" >&2; exit 2 ;;
              esac
              cmd=(env "${run_env[@]}" make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
