@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -157,6 +158,13 @@ def atomic_path(final: Path | str, setting: str | None = None) -> Iterator[Path]
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def hydra_quoted(text: str) -> str:
+    """`text` as a quoted string of Hydra's override grammar. There a run of backslashes is literal unless a
+    quote follows it, and then it is halved: only those runs are doubled (a path's `a\\b` stays as it is)."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
 
 
 def say(message: str) -> None:

@@ -15,7 +15,7 @@ import functools
 import re
 from pathlib import Path
 
-from app.common import REPO_ROOT, UserError, verl_dir
+from app.common import REPO_ROOT, UserError, hydra_quoted, verl_dir
 from app.settings import BY_NAME
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -69,7 +69,7 @@ def hydra_value(value: object) -> str:
     text = str(value)
     if _PLAIN_VALUE.fullmatch(text):
         return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return hydra_quoted(text)
 
 
 @functools.cache

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.common import ArgParser, UserError, atomic_path, hydra_quoted, say, warn
 from app.runs import default_run_dir, logs_dir, swanlog_dir
 from app.settings import Settings
 
@@ -90,8 +90,7 @@ def tracking_overrides(tracking: dict[str, str]) -> list[str]:
     """
     out = []
     for key, value in tracking.items():
-        quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-        out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted}")  # ++: add or replace
+        out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}")  # ++: add or replace
     return out
 
 

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from types import MappingProxyType
 
-from app.common import UserError
+from app.common import UserError, hydra_quoted
 
 # setting -> the key of each job's config the file may give it through
 FILE_SETTINGS: dict[str, dict[str, str]] = {
@@ -158,4 +158,4 @@ def hydra_literal(value: object) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{key}:{hydra_literal(item)}" for key, item in value.items()) + "}"
     text = str(value)
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return hydra_quoted(text)

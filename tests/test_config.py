@@ -196,10 +196,21 @@ def test_preflight_says_which_attention_runs_when_args_replace_the_nodes_choice(
         assert [n for n in plan_of(job).notes if n.startswith("attention: ")] == [f"attention: {chosen} ({perf.attention()[1]})"]
 
 
-def test_paths_with_spaces_survive_hydra_quoting(launch_env, monkeypatch, tmp_path):
-    odd = write_sft(tmp_path / "my data, v2" / "train.parquet")
+@pytest.mark.parametrize("name", ["my data, v2", "back\\slash", "it's", "ends in \\", "\\'both\\\\"])
+def test_paths_with_spaces_quotes_and_backslashes_survive_hydra_quoting(launch_env, monkeypatch, tmp_path, name):
+    """A backslash is literal in Hydra's quoted strings unless a quote follows it: doubling every one (as
+    once) handed verl a path that does not exist. The same through CONFIG and the tracking overrides."""
+    from app.tracking import tracking_overrides
+
+    odd = write_sft(tmp_path / name / "train.parquet")
     monkeypatch.setenv("TRAIN_FILE", str(odd))
     assert plan_of("sft").config.data.train_files == str(odd)
+    monkeypatch.delenv("TRAIN_FILE")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"data": {"train_files": str(odd)}}))
+    monkeypatch.setenv("CONFIG", str(tmp_path / "mine.yaml"))
+    assert plan_of("sft").config.data.train_files == str(odd)
+    cfg = composition.compose("grpo", tracking_overrides({"SWANLAB_LOG_DIR": str(odd)}))
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.SWANLAB_LOG_DIR == str(odd)
 
 
 # --- one rejection each ------------------------------------------------------------------------------
