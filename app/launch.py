@@ -413,6 +413,13 @@ def stop_process(process: subprocess.Popen, what: str, grace: float = 60.0) -> N
         process.wait()
 
 
+def vllm_env(settings: Settings) -> dict[str, str]:
+    """vLLM's settings for this node's Ray processes. verl 0.9.1 sets VLLM_DISABLE_COMPILE_CACHE=1 in the job's
+    runtime_env unless the driver's environment sets it (trainer/constants_ppo.py), and the actors of each node
+    inherit `ray start`'s environment: so the head, its driver and every worker get it."""
+    return {"VLLM_DISABLE_COMPILE_CACHE": settings["VLLM_DISABLE_COMPILE_CACHE"]}
+
+
 def grpo_driver_command(plan: Preflight, settings: Settings, extra_overrides: list[str]) -> list[str]:
     module = settings["GRPO_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny stand-in driver
     return [sys.executable, "-m", module, *hydra_args("grpo", plan.hydra_overrides(extra_overrides))]
@@ -436,7 +443,7 @@ def launch_grpo_head(settings: Settings) -> int:
     head_cmd = head_command(s, settings)
     # this attempt's tracking settings also travel in the job's runtime_env, to actors on every node
     driver_cmd = grpo_driver_command(plan, settings, tracking_overrides(track))
-    extra = {**track, **auth}
+    extra = {**track, **auth, **vllm_env(settings)}
     if dry:
         print_plan(settings, f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",
                    {**extra, "RAY_ADDRESS": s.ray_address}, [
@@ -490,7 +497,7 @@ def launch_grpo_worker(settings: Settings) -> int:
         refuse_without_gpus(s, settings, "make grpo-worker")
     command = worker_command(s, settings)
     timeout = settings["WAIT_TIMEOUT"]
-    extra = tracking(s.run_dir, settings, dry)
+    extra = {**tracking(s.run_dir, settings, dry), **vllm_env(settings)}
     if dry:
         auth = ray_auth_env(s.run_dir, settings, create=False)
         print_plan(settings, f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [

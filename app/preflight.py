@@ -340,6 +340,9 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
                                        notes, warnings)
         if chosen:  # this node's choice: under CONFIG and ARGS, like app.perf's (which left the key alone)
             overrides = [chosen, *overrides]
+        executor = _choose_vllm_executor(cfg, notes)
+        if executor:  # the same: only where neither CONFIG nor ARGS names an executor
+            overrides = [executor, *overrides]
 
     if deep and job == "grpo":
         verl_validate(cfg)
@@ -510,6 +513,34 @@ def _check_quick_poll_sampler(sel, batch: int) -> None:
 
 
 FILTER_KEY = "data.filter_overlong_prompts"
+VLLM_EXECUTOR_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend"
+
+
+def _choose_vllm_executor(cfg, notes: list[str]) -> str | None:
+    """vLLM's model worker inside its EngineCore process (vLLM's `uni` executor, its own default for one GPU) where a
+    rollout replica has one GPU and neither CONFIG nor ARGS names an executor. verl 0.9.1 always asks for `mp`: one
+    more process that imports vLLM and torch again before the first step (31 s on 1xH200, docs/gpu-runs.md runs
+    27-28). `uni` runs one worker only, so a replica over several GPUs keeps verl's `mp`. Returns that override."""
+    from omegaconf import OmegaConf
+
+    sel = functools.partial(OmegaConf.select, cfg)
+    rollout = "actor_rollout_ref.rollout"
+    if sel(f"{rollout}.name") != "vllm":
+        return None
+    chosen = sel(VLLM_EXECUTOR_KEY)
+    if chosen is not None:
+        notes.append(f"vLLM executor: {chosen} (from CONFIG or ARGS)")
+        return None
+    gpus = 1
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+        value = sel(f"{rollout}.{key}")
+        gpus *= value if isinstance(value, int) and value > 0 else 1
+    if gpus > 1:
+        notes.append(f"vLLM executor: verl's mp (a rollout replica spans {gpus} GPUs)")
+        return None
+    OmegaConf.update(cfg, VLLM_EXECUTOR_KEY, "uni", force_add=True)
+    notes.append("vLLM executor: uni (its model worker runs inside the EngineCore: one process fewer to start)")
+    return f"++{VLLM_EXECUTOR_KEY}=uni"
 
 
 def _sets_key(overrides: list[str], key: str) -> bool:

@@ -148,6 +148,11 @@ REGISTRY: tuple[Var, ...] = (
     Var("VLLM_ATTENTION_BACKEND", "text", None, "refused: vLLM 0.24 ignores it; configs/grpo.yaml picks the "
         "backend", "会被拒绝：vLLM 0.24 忽略它；注意力后端在 configs/grpo.yaml 中选择", ("check", *LAUNCH),
         G_RUN, passthrough=False),
+    Var("VLLM_DISABLE_COMPILE_CACHE", "choice", "0", "vLLM's torch.compile cache: 0 keeps it, so a node's next "
+        "start loads what the last one compiled (20 s less on 1xH200); verl 0.9.1 sets 1 unless this is set, for a "
+        "corruption that torch >= 2.10 fixed", "vLLM 的 torch.compile 缓存：0 保留，节点下次启动直接加载上次的编译结果"
+        "（1xH200 上快 20 秒）；未设置时 verl 0.9.1 会设为 1（针对 torch >= 2.10 已修复的缓存损坏）",
+        ("grpo-head", "grpo-worker"), G_RUN, choices=("0", "1")),
     # --- one command: set on the command line ------------------------------------------------------
     Var("DRY_RUN", "flag", "0", "print the exact commands and environment after preflight, start nothing",
         "预检后只打印确切的命令和环境变量，不启动", (*LAUNCH, "smoke", "demo"), G_ONCE),

@@ -3,7 +3,8 @@
 # against our profile (`make grpo-head`), same model shape, same data, same GPUs. Prints one BENCH line
 # per config, then tokens/s/GPU and the step-time breakdown (generation, old log-prob, ref, update).
 #
-#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-*: see the `case` below; default: stock profile)
+#   scripts/bench_grpo.sh [CONFIG...]       (stock, profile, profile-X, profile-X+Y: see the `case` below;
+#                                            default: stock profile)
 #   BENCH_CHECK=1 scripts/bench_grpo.sh ... compose every config on any machine (Hydra, preflight,
 #                                            verl's validate_config), run nothing: a typo costs no GPU call
 #
@@ -51,28 +52,31 @@ for name in "${configs[@]}"; do
   case $name in
     stock)   cmd=("$PYTHON" -m verl.trainer.main_ppo "${stock[@]}" "${shape[@]}"
                   trainer.default_local_dir="$BENCH_DIR/ckpt-stock") ;;
-    # the profile (`make grpo-head` as shipped), and candidates on top of it, one change each
-    profile|profile-*) run_env=(); case $name in
-               profile) extra="" ;;
-               profile-v0) extra=trainer.use_v1=False ;;          # verl's RayPPOTrainer, no TransferQueue
-               profile-unfused) extra=actor_rollout_ref.model.use_fused_kernels=False ;;  # verl's per-token log-probs
+    # the profile (`make grpo-head` as shipped), and candidates on top of it, one change each; `+` stacks them
+    # left to right (profile-v0+mp+nocache), so a combination costs no new name
+    profile|profile-*) run_env=(); extra=""; mods=${name#profile}; IFS=+ read -ra mods <<< "${mods#-}"
+             for mod in "${mods[@]}"; do case $mod in
+               v0) extra+=" trainer.use_v1=False" ;;          # verl's RayPPOTrainer, no TransferQueue
+               unfused) extra+=" actor_rollout_ref.model.use_fused_kernels=False" ;;  # verl's per-token log-probs
                # vLLM, from verl's performance guide: more KV cache now that the trainer holds ~51 GB, larger
-               # prefill chunks (verl's default 8192), and its worker in the EngineCore process (one spawn less)
-               profile-gmu8) extra=actor_rollout_ref.rollout.gpu_memory_utilization=0.8 ;;
-               profile-mnbt) extra=actor_rollout_ref.rollout.max_num_batched_tokens=32768 ;;
-               profile-uni) extra=+actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=uni ;;
+               # prefill chunks (verl's default 8192)
+               gmu8) extra+=" actor_rollout_ref.rollout.gpu_memory_utilization=0.8" ;;
+               mnbt) extra+=" actor_rollout_ref.rollout.max_num_batched_tokens=32768" ;;
+               # verl's own vLLM executor: its model worker a second process (the profile's preflight picks uni,
+               # the worker inside the EngineCore, where a replica has one GPU; docs/gpu-runs.md runs 27-28)
+               mp) extra+=" ++actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=mp" ;;
                # 2 agent-loop and 2 reward workers instead of verl's 8 + 8 Ray actors, each a Python process that
                # imports verl (and the agent loop's vLLM client) while vLLM starts on the same CPUs
-               profile-workers2) extra="actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2" ;;
-               # vLLM's own torch.compile cache on (verl turns it off, VLLM_DISABLE_COMPILE_CACHE=1, for a corruption
-               # that torch >= 2.10's atomic writes fixed, per SkyRL PR 2167): only a second start can gain, so run it twice
-               profile-vllmcache) extra=""; run_env=(VLLM_DISABLE_COMPILE_CACHE=0) ;;
+               workers2) extra+=" actor_rollout_ref.rollout.agent.num_workers=2 reward.num_workers=2" ;;
+               # vLLM's torch.compile cache off, as verl sets it (the profile keeps it: VLLM_DISABLE_COMPILE_CACHE=0,
+               # app/settings.py): only a second start on a node differs
+               nocache) run_env+=(VLLM_DISABLE_COMPILE_CACHE=1) ;;
                # vLLM without its torch.compile (mode 0, CompilationMode.NONE) but with full CUDA graphs, which FA3
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset
-               profile-o0) extra='+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
-               *) echo "unknown config $name" >&2; exit 2 ;;
-             esac
+               o0) extra+=' +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
+               *) echo "unknown config $name ($mod)" >&2; exit 2 ;;
+             esac; done
              cmd=(env "${run_env[@]}" make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
                   NNODES=1 GPUS_PER_NODE="$NGPU" CKPT_DIR="$BENCH_DIR/ckpt-$name" FRESH=1
                   ARGS="${shape[*]} trainer.save_freq=100000 actor_rollout_ref.actor.ppo_mini_batch_size=$((BATCH / 4)) $extra") ;;

@@ -25,15 +25,21 @@ def candidates(script: str, pattern: str) -> list[str]:
     return sorted(set(re.findall(pattern, text, re.M)))
 
 
-def test_every_grpo_bench_config_composes_and_a_refused_one_fails_the_check(tmp_path):
-    configs = ["stock", "profile"] + candidates("bench_grpo.sh", r"^\s+(profile-[a-z0-9]+)\)")
-    assert {"profile-v0", "profile-unfused", "profile-uni"} <= set(configs)
+def test_every_grpo_bench_candidate_and_a_stack_of_them_compose_and_a_refused_one_fails_the_check(tmp_path):
+    modifiers = candidates("bench_grpo.sh", r"^\s+([a-z0-9]+)\) (?:extra|run_env)\+=")
+    assert {"v0", "unfused", "mp", "nocache", "o0"} <= set(modifiers)
+    configs = ["stock", "profile"] + [f"profile-{m}" for m in modifiers] + ["profile-mp+v0+nocache"]
     result = bench("bench_grpo.sh", configs, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert f"== BENCH_CHECK: {' '.join(configs)} compose" in result.stdout
+    # the stack reached the launch: every part of it is in the composed command
+    stacked = (tmp_path / "bench" / "profile-mp+v0+nocache.log").read_text()
+    assert "distributed_executor_backend=mp" in stacked and "trainer.use_v1=False" in stacked
     # n=1 is refused by preflight (GRPO needs two samples a prompt): the check says which config and fails
     result = bench("bench_grpo.sh", ["profile"], tmp_path, N="1")
     assert result.returncode == 1 and "== BENCH_CHECK: profile do not compose" in result.stderr
+    result = bench("bench_grpo.sh", ["profile-mp+nosuch"], tmp_path)
+    assert result.returncode == 2 and "unknown config profile-mp+nosuch (nosuch)" in result.stderr
 
 
 def test_every_sft_bench_config_composes(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from app import composition, perf
 from app import preflight as pf
@@ -369,7 +370,7 @@ def lengths_of(path: Path, model: Path) -> list[int]:
 
 def test_preflight_turns_verls_length_filter_off_when_every_prompt_fits(launch_env, monkeypatch):
     plan = plan_of("grpo")
-    assert plan.overrides[0] == "data.filter_overlong_prompts=False"  # under CONFIG and ARGS
+    assert "data.filter_overlong_prompts=False" in plan.overrides[:2]  # under CONFIG and ARGS
     assert plan.config.data.filter_overlong_prompts is False
     assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "8 train and 8 val prompts" in n
             and "filter at every start skipped" in n]
@@ -379,6 +380,28 @@ def test_preflight_turns_verls_length_filter_off_when_every_prompt_fits(launch_e
     assert plan.config.data.filter_overlong_prompts is True
     assert "data.filter_overlong_prompts=False" not in plan.hydra_overrides()
     assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "skipped" not in n]
+
+
+def test_preflight_puts_vllms_worker_in_its_engine_core_only_where_a_replica_has_one_gpu(launch_env, monkeypatch):
+    key = pf.VLLM_EXECUTOR_KEY
+    plan = plan_of("grpo")
+    assert f"++{key}=uni" in plan.overrides[:2]  # under CONFIG and ARGS, like the length filter's choice
+    assert OmegaConf.select(plan.config, key) == "uni"
+    assert "vLLM executor: uni (its model worker runs inside the EngineCore: one process fewer to start)" in plan.notes
+    # verl's validate_config and its own composition take it (the deep check imports verl)
+    assert run_app("check", "grpo", env=launch_env).returncode == 0
+    # a replica over two GPUs keeps verl's mp: vLLM's uni executor runs one worker only
+    monkeypatch.setenv("GPUS_PER_NODE", "2")
+    monkeypatch.setenv("ARGS", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    plan = plan_of("grpo")
+    assert OmegaConf.select(plan.config, key) is None and not [o for o in plan.hydra_overrides() if key in o]
+    assert "vLLM executor: verl's mp (a rollout replica spans 2 GPUs)" in plan.notes
+    # the user's choice stands, and is said
+    monkeypatch.setenv("GPUS_PER_NODE", "1")
+    monkeypatch.setenv("ARGS", f"+{key}=mp")
+    plan = plan_of("grpo")
+    assert OmegaConf.select(plan.config, key) == "mp" and [o for o in plan.hydra_overrides() if key in o] == [f"+{key}=mp"]
+    assert "vLLM executor: mp (from CONFIG or ARGS)" in plan.notes
 
 
 def test_preflight_refuses_prompts_verl_would_truncate_with_the_filter_off(launch_env, monkeypatch, tmp_path,

@@ -27,7 +27,8 @@ from stack_files import write_data_dir  # noqa: E402
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
                "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
                "VLLM_ATTENTION_BACKEND", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "WAIT_TIMEOUT",
-               "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "DASHBOARD_HOST")
+               "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "DASHBOARD_HOST",
+               "VLLM_DISABLE_COMPILE_CACHE")
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,9 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
     assert "--dashboard-host 127.0.0.1" in out
     assert "export RAY_AUTH_MODE=token" in out and "abc123" not in out
     assert "export RAY_ADDRESS=127.0.0.3:6379" in out
+    assert "export VLLM_DISABLE_COMPILE_CACHE=0" in out  # verl's 1 only where the user asks for it
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"})
+    assert result.returncode == 0 and "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout, result.stderr
     assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
 
 
@@ -159,8 +163,9 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
     run = Path(env["CKPT_DIR"])
     seen = driver_saw_both_nodes(run)
     assert seen["RAY_ADDRESS"] == f"127.0.0.1:{env['RAY_PORT']}"
-    for task in seen["tasks"]:  # actors on both nodes: the run's tracking directory
+    for task in seen["tasks"]:  # actors on both nodes: the run's tracking directory, vLLM's compile cache kept
         assert task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
+        assert task["VLLM_DISABLE_COMPILE_CACHE"] == "0"
     head_text = head_log.read_text()
     assert "cluster ready:" in head_text and "127.0.0.2 (1 GPU)" in head_text
     # each node's warm-up of vLLM's cache ran to its end (where vLLM is not installed, it says so)
