@@ -128,7 +128,8 @@ def compose(job: str, overrides: list[str], *, libyaml: bool = True):
     try:
         with libyaml_for_omegaconf(libyaml), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             return hydra_compose(config_name=job, overrides=[search, *overrides])
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as exc:
+        # ValueError / TypeError: Hydra's own, for overrides its grammar parses but cannot apply (ARGS="=5")
         first = " ".join(str(exc).split())
         raise UserError(f"the {job} config does not compose: {first} (check ARGS and configs/{job}.yaml)") \
             from None
@@ -178,6 +179,24 @@ def _verl_base_config(job: str):
 
     with libyaml_for_omegaconf(), initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
         return hydra_compose(config_name=BASE_CONFIG[job])
+
+
+@functools.cache
+def _verl_defaults(job: str) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    base = _verl_base_config(job)
+    return OmegaConf.to_container(base, resolve=False) if isinstance(base, DictConfig) else base
+
+
+def verl_default(job: str, dotted: str):
+    """(found, value): verl's packaged default of `dotted` for `job`, the type verl's code expects there."""
+    node = _verl_defaults(job)
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def _known_key(base, dotted: str) -> bool:
@@ -235,8 +254,15 @@ def verl_validate(cfg) -> None:
     import io
     import warnings
 
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
+
+    # validate_config takes any name; the trainer looks it up only when step 1's advantages are computed
+    estimator = cfg.algorithm.adv_estimator
+    if estimator not in ADV_ESTIMATOR_REGISTRY:
+        raise UserError(f"algorithm.adv_estimator={estimator}: verl 0.9.1 has no such estimator; choose one of "
+                        f"{', '.join(sorted(ADV_ESTIMATOR_REGISTRY))}")
 
     try:
         # its "all checks passed" print and the critic-disabled notice would drown our one-line summary

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app import perf, userconfig
-from app.common import ArgParser, UserError, say, warn
+from app.common import ArgParser, UserError, directory_problem, say, warn
 from app.composition import (BASE_CONFIG, LOGGER_PACKAGES, MODEL_KEY, ROLLOUT_ENGINES, check_job,
                              check_profile_keys, compose, hydra_value, verl_validate)
 from app.runs import model_dir_problems, run_dir
@@ -306,6 +306,11 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
 
+    problem = directory_problem(s.run_dir)
+    if problem:
+        raise UserError(f"the run directory {s.run_dir} {problem}: set CKPT_DIR to a directory you can write "
+                        "(created where missing)")
+
     # -- the model
     if s.model_path is None:
         raise UserError("MODEL_PATH is not set: point it at a local Hugging Face model directory "
@@ -317,6 +322,8 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
 
     # -- compose (ARGS included) and check the config itself
     perf_overrides, perf_notes, overrides, cfg = compose_with_choices(s)
+    refuse_args_over_settings(s, cfg)
+    check_user_values(s, cfg)
     notes += perf.notes_for(perf_notes, perf_overrides, cfg)
     warnings += userconfig.machine_warnings(job, settings, s)
     _check_config(s, cfg, notes, warnings)
@@ -350,20 +357,95 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
 
 
+def launch_owned(s: Launch) -> dict[str, tuple[str, object]]:
+    """The config keys this launch takes from a setting, with the setting and its value: what preflight checks,
+    and what torchrun, Ray and the run directory are set up with."""
+    owned = {f"{MODEL_KEY[s.job]}.path": ("MODEL_PATH", s.model_path),
+             "data.train_files": ("TRAIN_FILE (or DATA_DIR)", s.train_file),
+             "data.val_files": ("VAL_FILE (or DATA_DIR)", s.val_file),
+             "trainer.default_local_dir": ("CKPT_DIR", s.run_dir), "trainer.experiment_name": ("EXPERIMENT", s.experiment),
+             "trainer.nnodes": ("NNODES", s.nnodes), "trainer.n_gpus_per_node": ("GPUS_PER_NODE", s.gpus_per_node)}
+    if s.project:
+        owned["trainer.project_name"] = ("PROJECT", s.project)
+    if s.job == "grpo":
+        owned["ray_kwargs.ray_init.address"] = ("HEAD_IP and RAY_PORT", s.ray_address)
+    return owned
+
+
+def refuse_args_over_settings(s: Launch, cfg) -> None:
+    """ARGS come last and would win over these keys too, while preflight checked the setting and torchrun, Ray and
+    the run directory follow it (ARGS="trainer.nnodes=3" beside NNODES=1 would start a 1-node torchrun for a 3-node
+    verl): one line naming the setting instead. The same value twice is harmless and passes."""
+    from omegaconf import OmegaConf
+
+    for key, (setting, ours) in launch_owned(s).items():
+        if not _sets_key(s.args, key):
+            continue
+        value = OmegaConf.select(cfg, key)
+        if str(value) != str(ours):
+            raise UserError(f"ARGS sets {key}={value}, but this launch takes it from {setting} ({ours}): set "
+                            f"{setting} instead and drop {key} from ARGS")
+
+
+# Whole numbers that must be >= 1 wherever the job has them (verl takes 0 or -1 and fails, or trains nothing, later)
+POSITIVE_KEYS = ("data.train_batch_size", "data.micro_batch_size_per_gpu", "data.max_length", "data.max_prompt_length",
+                 "data.max_response_length", "trainer.total_epochs", "actor_rollout_ref.rollout.n",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs")
+LEARNING_RATES = ("optim.lr", "actor_rollout_ref.actor.optim.lr")
+# verl's int keys that also take this word, by job (its SFT trainer: save / validate at each epoch's end)
+WORD_VALUES = {"sft": {"trainer.save_freq": "after_each_epoch", "trainer.test_freq": "after_each_epoch"}, "grpo": {}}
+
+
+def _kind(value) -> str | None:
+    """The kind of a verl default whose type its code relies on; None where any value may do."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int):
+        return "a whole number"
+    if isinstance(value, float):
+        return "a number"
+    return None
+
+
+def _fits(kind: str, value) -> bool:
+    if kind == "true or false":
+        return isinstance(value, bool)
+    if kind == "a whole number":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_user_values(s: Launch, cfg) -> None:
+    """The values ARGS and CONFIG set, against the type of verl's own default there and the few ranges verl does not
+    check: `optim.lr=abc` or `data.train_batch_size=0` would pass composition and fail (or train nothing) minutes
+    into the run, inside verl. One line naming the key, its value and what fits."""
+    from omegaconf import OmegaConf
+
+    from app.composition import verl_default
+
+    user = {o.lstrip("+~").split("=", 1)[0]: "ARGS" for o in s.args if "=" in o}
+    for o in s.config_layer:
+        user.setdefault(o.lstrip("+~").split("=", 1)[0], "CONFIG")
+    for key, source in user.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or WORD_VALUES[s.job].get(key) == value:
+            continue  # null (verl's "unset"), deleted, or the word verl takes there
+        found, default = verl_default(s.job, key)
+        kind = _kind(default) if found else None
+        if kind and not _fits(kind, value):
+            raise UserError(f"{key}={value} from {source}: verl expects {kind} there, like its default {default}: "
+                            f"fix it in {'ARGS' if source == 'ARGS' else 'the CONFIG file'}")
+        if key in POSITIVE_KEYS and _fits("a whole number", value) and value < 1:
+            raise UserError(f"{key}={value} from {source}: it must be at least 1")
+        if key in LEARNING_RATES and _fits("a number", value) and value <= 0:
+            raise UserError(f"{key}={value} from {source}: a learning rate must be above 0, e.g. 1e-5")
+
+
 def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None:
     from omegaconf import OmegaConf
 
     job = s.job
     sel = functools.partial(OmegaConf.select, cfg)
-
-    # paths verl reads must be absolute on every node (ARGS may have put relative ones back)
-    path_keys = [f"{MODEL_KEY[job]}.path", "data.train_files", "data.val_files", "trainer.default_local_dir"]
-    if s.multi_node:
-        for key in path_keys:
-            value = sel(key)
-            if value and not str(value).startswith("/"):
-                raise UserError(f"{key}={value} is relative in a {s.nnodes}-node run: use an absolute path, "
-                                "identical on every node")
 
     loggers = sel("trainer.logger")
     for backend in [loggers] if isinstance(loggers, str) else list(loggers or []):
@@ -392,7 +474,7 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                         f"ARGS='{perf.attention_key(job)}=sdpa'")
 
     save_freq = sel("trainer.save_freq")
-    if not (save_freq == "after_each_epoch" or (isinstance(save_freq, int) and save_freq > 0)):
+    if not (save_freq in WORD_VALUES[job].values() or (isinstance(save_freq, int) and save_freq > 0)):
         raise UserError(f"trainer.save_freq={save_freq} writes no checkpoint (verl's default -1): "
                         "set it > 0, e.g. ARGS='trainer.save_freq=20'")
 
@@ -421,11 +503,8 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
         return
 
     # GRPO
-    nnodes, gpn = sel("trainer.nnodes"), sel("trainer.n_gpus_per_node")
+    nnodes, gpn = s.nnodes, s.gpus_per_node  # the composed config has them (refuse_args_over_settings)
     n_gpus = nnodes * gpn
-    if (nnodes, gpn) != (s.nnodes, s.gpus_per_node):
-        raise UserError(f"trainer.nnodes={nnodes} / trainer.n_gpus_per_node={gpn} (from ARGS) disagree with "
-                        f"NNODES={s.nnodes} / GPUS_PER_NODE={s.gpus_per_node}: set NNODES and GPUS_PER_NODE instead")
     rollout = "actor_rollout_ref.rollout"
     name = sel(f"{rollout}.name")
     if name not in ROLLOUT_ENGINES:

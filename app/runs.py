@@ -8,6 +8,8 @@ writes models/<run>-step<N>.
 
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 
@@ -105,6 +107,14 @@ def model_dir_problems(path: Path) -> list[str]:
     problems = []
     if not (path / "config.json").is_file():
         problems.append("no config.json")
+    else:
+        try:  # transformers, verl and vLLM all read it first: a truncated copy fails each of them minutes in
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            problems.append(f"an unreadable config.json ({' '.join(str(exc).split())[:120]})")
+        else:
+            if not isinstance(config, dict) or not config.get("model_type"):
+                problems.append("a config.json without model_type (not a Hugging Face model config)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         problems.append("no tokenizer (tokenizer.json / tokenizer_config.json)")
     weights = sorted([*path.glob("*.safetensors"), *path.glob("*.bin")])

@@ -7,6 +7,7 @@ through the real CLI to prove the one-line error contract.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,6 @@ def test_verls_own_entry_points_compose_the_config_preflight_checked(launch_env,
              "--config-name", job, *plan.hydra_overrides(), "--cfg", "job"],
             cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        from omegaconf import OmegaConf
-
         ours = OmegaConf.to_container(plan.config)
         lines = out.stdout.splitlines()
         start = next(i for i, line in enumerate(lines) if not line.startswith(" ") and line.split(":")[0] in ours)
@@ -146,8 +145,6 @@ def test_broken_yaml_in_a_profile_is_a_one_line_refusal(launch_env, monkeypatch,
 @pytest.mark.parametrize("job", ["sft", "grpo"])
 def test_libyaml_composition_equals_the_pure_python_one_verl_uses(launch_env, job):
     # preflight parses YAML with libyaml for speed; verl's entry point uses PyYAML's Python parser
-    from omegaconf import OmegaConf
-
     overrides = plan_of(job).hydra_overrides()
     fast = OmegaConf.to_container(composition.compose(job, overrides, libyaml=True))
     stock = OmegaConf.to_container(composition.compose(job, overrides, libyaml=False))
@@ -307,6 +304,13 @@ def test_rejects_model_dir_without_config_or_tokenizer(launch_env, monkeypatch, 
     no_tokenizer.mkdir()
     shutil.copy(tiny_model_dir / "config.json", no_tokenizer)
     rejects("sft", monkeypatch, "has no tokenizer", MODEL_PATH=str(no_tokenizer))
+    # a truncated copy of config.json, and one of something else, fail transformers, verl and vLLM minutes in
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, corrupt)
+    (corrupt / "config.json").write_text((tiny_model_dir / "config.json").read_text()[:40])
+    rejects("grpo", monkeypatch, "has an unreadable config.json", MODEL_PATH=str(corrupt))
+    (corrupt / "config.json").write_text('{"hidden_size": 8}')
+    rejects("sft", monkeypatch, "has a config.json without model_type", MODEL_PATH=str(corrupt))
 
 
 def test_rejects_unset_model_path_through_the_cli(launch_env):
@@ -319,7 +323,75 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
     rejects("sft", monkeypatch, "relative path MODEL_PATH=models/tiny", NNODES="2", MASTER_ADDR="127.0.0.1",
             MODEL_PATH="models/tiny")
     monkeypatch.setenv("MODEL_PATH", launch_env["MODEL_PATH"])
-    rejects("sft", monkeypatch, "trainer.default_local_dir=ckpt is relative", ARGS="trainer.default_local_dir=ckpt")
+    rejects("sft", monkeypatch, "relative path CKPT_DIR=ckpt", CKPT_DIR="ckpt")
+
+
+@pytest.mark.parametrize("job,args,match", [
+    ("sft", "optim.lr=abc", "optim.lr=abc from ARGS: verl expects a number there, like its default 0.001: fix it in ARGS"),
+    ("grpo", "actor_rollout_ref.actor.optim.lr=-1e-6", "a learning rate must be above 0"),
+    ("sft", "trainer.total_epochs=two", "trainer.total_epochs=two from ARGS: verl expects a whole number there"),
+    ("sft", "trainer.total_epochs=2.5", "trainer.total_epochs=2.5 from ARGS: verl expects a whole number there"),
+    ("grpo", "data.train_batch_size=abc", "data.train_batch_size=abc from ARGS: verl expects a whole number"),
+    ("grpo", "data.train_batch_size=0", "data.train_batch_size=0 from ARGS: it must be at least 1"),
+    ("sft", "data.train_batch_size=-1", "data.train_batch_size=-1 from ARGS: it must be at least 1"),
+    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n=abc from ARGS: verl expects a whole"),
+    ("sft", "model.enable_gradient_checkpointing=1", "verl expects true or false there"),
+    ("grpo", "trainer.save_freq=after_each_epoch", "trainer.save_freq=after_each_epoch from ARGS: verl expects a whole"),
+    ("sft", "=5", "the sft config does not compose: Config group override must be a string or a list"),
+    ("sft", "optim=[1,2]", "the sft config does not compose"),
+])
+def test_rejects_values_of_the_wrong_type_or_range_before_verl_meets_them(launch_env, monkeypatch, job, args, match):
+    line = rejects(job, monkeypatch, re.escape(match), ARGS=args)
+    assert "\n" not in line
+
+
+def test_a_wrong_value_in_the_config_file_is_named_with_its_file(launch_env, monkeypatch, tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("trainer:\n  total_epochs: two\n")
+    rejects("sft", monkeypatch, re.escape("trainer.total_epochs=two from CONFIG: verl expects a whole number there, "
+                                          "like its default 4: fix it in the CONFIG file"), CONFIG=str(config))
+    # SFT's own words for "at each epoch's end" pass where verl's SFT trainer takes them
+    words = tmp_path / "words.yaml"
+    words.write_text("trainer:\n  save_freq: after_each_epoch\n  test_freq: after_each_epoch\n")
+    monkeypatch.setenv("CONFIG", str(words))
+    assert plan_of("sft").config.trainer.save_freq == "after_each_epoch"
+
+
+def test_deep_check_refuses_an_advantage_estimator_verl_does_not_have(launch_env):
+    line = assert_one_line_error(run_app("check", "grpo", env={**launch_env, "ARGS": "algorithm.adv_estimator=nosuch"}))
+    assert "algorithm.adv_estimator=nosuch: verl 0.9.1 has no such estimator; choose one of " in line and "grpo" in line
+
+
+def test_rejects_a_run_directory_that_is_a_file_or_under_one(launch_env, monkeypatch, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    line = rejects("grpo", monkeypatch, "is a file", CKPT_DIR=str(afile))
+    assert line == (f"the run directory {afile} is a file: set CKPT_DIR to a directory you can write "
+                    "(created where missing)")
+    rejects("sft", monkeypatch, f"is under {afile}, which is a file", CKPT_DIR=str(afile / "run" / "x"))
+    monkeypatch.setenv("CKPT_DIR", str(tmp_path / "new" / "run"))  # missing: created by the launch
+    assert plan_of("sft").launch.run_dir == tmp_path / "new" / "run"
+
+
+@pytest.mark.parametrize("job,key,value,setting", [
+    ("sft", "model.path", "/nope", "MODEL_PATH"),
+    ("sft", "trainer.nnodes", "3", "NNODES"),
+    ("sft", "trainer.default_local_dir", "ckpt", "CKPT_DIR"),
+    ("grpo", "actor_rollout_ref.model.path", "/nope", "MODEL_PATH"),
+    ("grpo", "trainer.n_gpus_per_node", "8", "GPUS_PER_NODE"),
+    ("grpo", "data.train_files", "/elsewhere.parquet", "TRAIN_FILE (or DATA_DIR)"),
+    ("grpo", "trainer.experiment_name", "other", "EXPERIMENT"),
+    ("grpo", "ray_kwargs.ray_init.address", "127.0.0.9:6379", "HEAD_IP and RAY_PORT"),
+])
+def test_args_cannot_override_what_a_setting_decides_and_the_refusal_names_the_setting(launch_env, monkeypatch, job,
+                                                                                         key, value, setting):
+    # preflight checks the setting and torchrun / Ray / the run directory follow it: ARGS winning would split them
+    line = rejects(job, monkeypatch, "ARGS sets", ARGS=f"{key}={value}")
+    assert line.startswith(f"ARGS sets {key}={value}, but this launch takes it from {setting} (")
+    assert line.endswith(f"set {setting} instead and drop {key} from ARGS")
+    # the value the setting gives anyway is harmless (a walkthrough's pasted overrides) and passes
+    monkeypatch.setenv("ARGS", "trainer.nnodes=1 trainer.n_gpus_per_node=1")
+    assert plan_of(job).config.trainer.nnodes == 1
 
 
 def test_rejects_the_stale_vllm_attention_backend_variable(launch_env, monkeypatch):
