@@ -508,13 +508,15 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
+    if out.is_dir():
+        raise UserError(f"FIX={out} is a directory: name the file to write, e.g. FIX={out / (path.stem + '.fixed.parquet')}")
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
     changes: list[str] = []
     if is_prompt_response(table.column_names) and kind in (None, "sft"):
         table = _prompt_response_to_messages(table, changes)
-        report = check_table(table, "sft", str(out))
+        report = check_table(table, "sft", str(path))  # what is left wrong is the input's
     else:
         if kind == "sft" or (kind is None and "messages" in table.column_names
                              and "prompt" not in table.column_names):
@@ -532,7 +534,8 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
                 table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
                 changes.append(f"{rewritten} string prompts rewritten as chat lists")
         table = _fix_ground_truth(table, changes)
-        report = check_table(table, "rl", str(out))
+        report = check_table(table, "rl", str(path))
+    report.path = out  # checked under the input's name (what is left wrong is its), reported as the new file
     with atomic_path(out, "FIX") as tmp:
         pq.write_table(table, tmp)
     return report, changes

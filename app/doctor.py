@@ -183,6 +183,15 @@ def check_memlock() -> Check:
     return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")
 
 
+def check_node_rank(settings: Settings) -> Check:
+    rank, nnodes = settings["NODE_RANK"], settings["NNODES"]
+    if rank >= nnodes:
+        return Check("node rank", "fail", f"NODE_RANK={rank} but NNODES={nnodes}: the ranks are 0..{nnodes - 1}",
+                     f"give each machine its own NODE_RANK 0..{nnodes - 1} (0 on the head / master) and the same "
+                     "NNODES on all of them")
+    return Check("node rank", "ok", f"NODE_RANK={rank} of NNODES={nnodes}")
+
+
 def check_network(settings: Settings) -> list[Check]:
     head = settings["HEAD_IP"]
     target, what = (head, "HEAD_IP") if head else (settings["MASTER_ADDR"], "MASTER_ADDR")
@@ -412,6 +421,9 @@ def check_settings(settings: Settings) -> Check:
     where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
     detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
               + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
+    if settings.misspelt:
+        return Check("settings", "warn", detail + f"; in {settings.env_file} but no setting: "
+                     f"{', '.join(settings.misspelt)}", "rename it (`make settings` lists every setting)")
     if settings.ignored:
         return Check("settings", "warn", detail + f"; in .env but read by make only: {', '.join(settings.ignored)}",
                      "set those on the make command line or in the shell (`make settings` shows all)")
@@ -424,11 +436,17 @@ def run_checks(settings: Settings) -> list[Check]:
     gpu = checks[0].status == "ok"
     checks.insert(0, check_settings(settings))
     checks += guarded("/dev/shm", check_shm) + guarded("memlock", check_memlock)
+    checks += guarded("node rank", lambda: check_node_rank(settings))
     checks += guarded("network", lambda: check_network(settings))
     checks += guarded("Ray head", lambda: check_head(settings))
     found = guarded("settings", lambda: check_data([job] if job else ["sft", "grpo"], settings))
-    data, run, model = found if isinstance(found, tuple) else (found, Path.cwd() / "checkpoints", None)
-    checks += guarded("MODEL_PATH", lambda: check_model(model))
+    if isinstance(found, tuple):
+        data, run, model = found
+        checks += guarded("MODEL_PATH", lambda: check_model(model))
+    else:  # the settings could not be read (e.g. CONFIG): "MODEL_PATH not set" would be a second, wrong line
+        data, run, model = found, Path.cwd() / "checkpoints", None
+        checks.append(Check("MODEL_PATH", "warn", "not checked: the settings could not be read (below)",
+                            "fix the settings line, then run make doctor again"))
     checks += data
     checks += guarded("disk", lambda: check_disk(run, model))
     checks += guarded("packages", lambda: check_packages(gpu))

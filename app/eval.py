@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.common import ArgParser, UserError, atomic_path, directory_problem, say, warn
 from app.runs import merged_model_for_step, model_dir_problems
 from app.settings import Settings
 
@@ -229,6 +229,9 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         raise UserError(f"MAX_NEW_TOKENS={args.max_new_tokens}: set a positive number")
     data = Path(args.data) if args.data else Path(settings["DATA_DIR"]) / "gsm8k" / "test.parquet"
     out = Path(args.out).expanduser().resolve() if args.out else model / "eval"
+    problem = directory_problem(out)
+    if problem:  # before the model loads and generates for minutes
+        raise UserError(f"the eval output {out} {problem}: set OUT to a directory you can write")
     from app.preflight import count_gpus
 
     summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,

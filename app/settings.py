@@ -163,8 +163,8 @@ REGISTRY: tuple[Var, ...] = (
         "哪一步：merge/gather（默认最新）、eval（已合并的步）", ("gather", "merge", "eval"), G_ONCE),
     Var("OUT_DIR", "path", None, "merge's output (default models/<run>-step<N>); eval reads it",
         "merge 的输出目录（默认 models/<运行名>-step<N>）；eval 也读取", ("merge", "eval"), G_ONCE),
-    Var("FORCE", "flag", "0", "replace an existing output (merge, data check --fix)",
-        "覆盖已有输出（merge、data check --fix）", ("merge", "data"), G_ONCE),
+    Var("FORCE", "flag", "0", "replace an existing output (merge, data check --fix, tiny-model)",
+        "覆盖已有输出（merge、data check --fix、tiny-model）", ("merge", "data", "tiny-model"), G_ONCE),
     Var("NODES", "text", None, "gather's sources: \"host1 host2\" ([user@]host[:RUN_DIR])",
         "gather 的来源：\"host1 host2\"（[user@]host[:运行目录]）", ("gather",), G_ONCE),
     Var("RSYNC_RSH", "text", None, "rsync's own: ssh port/key for gather, e.g. \"ssh -p 2222 -i ~/.ssh/key\"",
@@ -365,6 +365,7 @@ class Settings:
     dotenv: Mapping[str, str]  # the lines of the .env file (every name, ours or not)
     env_file: Path
     ignored: tuple[str, ...] = ()  # names in .env that only make reads (make reads no .env)
+    misspelt: tuple[str, ...] = ()  # names in .env close to a setting's but none: "NNODE (did you mean NNODES?)"
 
     def __getitem__(self, name: str) -> Any:
         value = self.values[name]
@@ -401,7 +402,12 @@ class Settings:
         return out
 
     def check(self, command: str) -> None:
-        """Refuse, one line, the first bad value among the variables `command` reads."""
+        """Refuse, one line, the first bad value among the variables `command` reads; a launch also refuses a
+        misspelt name in .env (doctor warns of it)."""
+        if self.misspelt and command in LAUNCH:
+            many = len(self.misspelt) > 1
+            raise UserError(f"{self.env_file}: {', '.join(self.misspelt)} {'are' if many else 'is'} not a setting, so "
+                            f"nothing would read {'them' if many else 'it'}: rename (`make settings` lists every setting)")
         for var in REGISTRY:
             error = self.values[var.name].error
             if error and (command in var.commands or "all" in var.commands):
@@ -419,6 +425,10 @@ def read_dotenv(path: Path) -> dict[str, str]:
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror}): fix its permissions, or point ENV_FILE at "
                         "another file") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line} is not UTF-8 text: save the file as UTF-8 (compose reads it as "
+                        "UTF-8 too)") from None
     for binding in parse_stream(io.StringIO(text)):
         if binding.error:
             line = binding.original.string.strip().splitlines()[0]
@@ -435,6 +445,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     # The one read of the process environment: everything else gets it from here.
     shell = dict(os.environ if environ is None else environ)
     env_file = Path(shell.get("ENV_FILE") or ".env")
+    if shell.get("ENV_FILE") and not env_file.exists():  # asked for by name: silence would run on defaults
+        raise UserError(f"ENV_FILE={shell['ENV_FILE']} does not exist: point it at your dotenv file, or unset "
+                        "it to read ./.env")
     dotenv = read_dotenv(env_file) if env_file.is_file() else {}
     values, ignored = {}, []
     for var in REGISTRY:
@@ -448,7 +461,25 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         else:
             values[var.name] = _value(var, None, "default")
     return Settings(MappingProxyType(values), MappingProxyType(shell), MappingProxyType(dict(dotenv)), env_file,
-                    tuple(ignored))
+                    tuple(ignored), tuple(misspelt(dotenv)))
+
+
+def misspelt(dotenv: Mapping[str, str]) -> list[str]:
+    """`NAME (did you mean SETTING?)` for each .env name that is no setting of ours and no name handed on to the
+    processes (PASS_PREFIXES), but one letter or two away from a setting: NNODE=2 would otherwise be passed on
+    unread, and the run would go ahead on one node."""
+    import difflib
+
+    from app.common import PASS_NAMES, PASS_PREFIXES
+
+    out = []
+    for name in dotenv:
+        if name in BY_NAME or name in PASS_NAMES or name.startswith(PASS_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, BY_NAME, n=1, cutoff=0.8)
+        if close:
+            out.append(f"{name} (did you mean {close[0]}?)")
+    return out
 
 
 # --- what the registry renders: compose's list, .env.example, the README tables ----------------------

@@ -111,11 +111,12 @@ def main(command: str, argv: list[str], settings) -> int:
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--force", action="store_true", help="replace an existing directory")
+    parser.add_argument("--force", action="store_true", default=settings["FORCE"],
+                        help="replace an existing directory (default: FORCE)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if out.exists() and not args.force:
-        raise UserError(f"{out} already exists: pass --force to replace it or choose another path")
+        raise UserError(f"{out} already exists: FORCE=1 (--force) replaces it, or choose another OUT")
     write_tiny_model(out, preset=args.preset, seed=args.seed, dtype=args.dtype)
     say(f"wrote {args.preset} model and tokenizer to {out}")
     return 0

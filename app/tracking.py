@@ -349,6 +349,9 @@ def find_swanlog(run: str | None, ckpt_dir: str | None) -> Path:
         if (candidate / "runs.swanlab").is_file():
             return candidate.resolve()
     where = run or ckpt_dir or "checkpoints/*"
+    if (run or ckpt_dir) and not Path(where).exists():
+        raise UserError(f"{where} does not exist: point {'RUN' if run else 'CKPT_DIR'} at a run directory "
+                        "(one that make sft or make grpo-head wrote)")
     raise UserError(f"no swanlab logs yet under {where}: start a run with SWANLAB_MODE=local "
                     "(make sft or make grpo-head), or pass RUN=<run directory>")
 

@@ -52,3 +52,14 @@ def test_tiny_model_loads_and_generates(tiny_model_dir):
 def test_a_usage_mistake_is_one_line_error_for_every_command(command):
     line = assert_one_line_error(run_app(command, "--no-such-flag"))
     assert f"python -m app {command} --help" in line
+
+
+def test_tiny_model_refuses_an_existing_directory_and_make_force_replaces_it(tmp_path):
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / "old.txt").write_text("from before")
+    line = assert_one_line_error(run_app("tiny-model", env={"OUT": str(out)}))
+    assert line == f"error: {out} already exists: FORCE=1 (--force) replaces it, or choose another OUT"
+    result = run_app("tiny-model", env={"OUT": str(out), "FORCE": "1"})  # what `make tiny-model FORCE=1` passes
+    assert result.returncode == 0, result.stderr
+    assert (out / "config.json").is_file() and not (out / "old.txt").exists()

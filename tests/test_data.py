@@ -401,6 +401,7 @@ def test_fix_refuses_and_writes_nothing_when_other_problems_remain(tmp_path):
     out = tmp_path / "out.parquet"
     line = assert_one_line_error(run_app("data", "check", str(source), "--fix", str(out)))
     assert "row 1 has no reward_model.ground_truth" in line
+    assert str(source) in line and str(out) not in line  # the input is what has to change
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.parquet"]
 
 
@@ -414,6 +415,9 @@ def test_fix_never_overwrites_without_force(tmp_path):
     assert "new path" in assert_one_line_error(run_app("data", "check", str(source), "--fix", str(source)))
     assert run_app("data", "check", str(source), "--fix", str(out), env={"FORCE": "1"}).returncode == 0
     assert pq.read_metadata(out).num_rows == 2
+    # a directory is no file to replace, FORCE or not: the refusal names a file to write instead
+    line = assert_one_line_error(run_app("data", "check", str(source), "--fix", str(tmp_path), env={"FORCE": "1"}))
+    assert line == f"error: FIX={tmp_path} is a directory: name the file to write, e.g. FIX={tmp_path / 'in.fixed.parquet'}"
 
 
 def test_prompt_lengths_count_a_row_the_template_refuses_as_verl_does(tmp_path, tiny_model_dir):

@@ -12,7 +12,7 @@ from app.doctor import ifname_matches, interface_addresses, model_parameters, ro
 
 # Settings a developer's shell may carry that would change what doctor sees.
 CLEAN = {k: "" for k in ("HEAD_IP", "MASTER_ADDR", "NNODES", "GPUS_PER_NODE", "MODEL_PATH", "DATA_DIR",
-                         "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "JOB", "RAY_PORT", "EXPERIMENT")}
+                         "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "JOB", "RAY_PORT", "EXPERIMENT", "NODE_RANK")}
 
 
 def lines_of(result) -> list[str]:
@@ -79,14 +79,17 @@ def test_doctor_sees_the_head_listening_on_the_ray_port():
 
 def test_doctor_without_gpus_says_so_and_every_red_line_says_what_to_do(tmp_path):
     result = run_app("doctor", env={**CLEAN, "MODEL_PATH": str(tmp_path / "no-model"), "NNODES": "2",
-                                    "HEAD_IP": "127.0.0.1", "DATA_DIR": str(tmp_path / "data")})
+                                    "NODE_RANK": "2", "HEAD_IP": "127.0.0.1", "DATA_DIR": str(tmp_path / "data")})
     lines = lines_of(result)
     assert result.returncode == 1, result.stdout + result.stderr
     if shutil.which("nvidia-smi") is None:
         gpu = next(line for line in lines if " GPUs " in line)
         assert "no GPU on this node" in gpu
     red = [i for i, line in enumerate(lines) if line.split()[:1] == ["FAIL"]]
-    assert {lines[i].split()[1] for i in red} >= {"MODEL_PATH", "interface"}  # missing model, loopback head
+    # missing model, loopback head, a rank outside 0..NNODES-1
+    assert {lines[i].split()[1] for i in red} >= {"MODEL_PATH", "interface", "node"}
+    rank = next(i for i in red if lines[i].split()[1] == "node")
+    assert "NODE_RANK=2 but NNODES=2: the ranks are 0..1" in lines[rank]
     for i in red:
         assert lines[i + 1].strip().startswith("-> "), lines[i]
     assert lines[-1].startswith("NOT READY")
@@ -100,7 +103,7 @@ def test_doctor_is_ready_when_model_and_data_are_there(tiny_model_dir, tmp_path)
     result = run_app("doctor", env={**CLEAN, "JOB": "grpo", "MODEL_PATH": str(tiny_model_dir),
                                     "DATA_DIR": str(tmp_path / "data"), "CKPT_DIR": str(tmp_path / "run")})
     lines = lines_of(result)
-    for name in ("MODEL_PATH", "grpo train data", "grpo val data", "disk", "network"):
+    for name in ("MODEL_PATH", "grpo train data", "grpo val data", "disk", "network", "node rank"):
         line = next(line for line in lines if f" {name} " in line)
         assert line.split()[0] == "OK", line
     red = [line for line in lines if line.startswith("  FAIL")]
@@ -110,3 +113,13 @@ def test_doctor_is_ready_when_model_and_data_are_there(tiny_model_dir, tmp_path)
 def test_doctor_rejects_a_wrong_job_in_one_line():
     line = assert_one_line_error(run_app("doctor", env={**CLEAN, "JOB": "ppo"}))
     assert "sft or grpo" in line
+
+
+def test_doctor_with_an_unreadable_config_blames_the_config_not_the_model(tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("trainer: [\n")
+    lines = lines_of(run_app("doctor", env={**CLEAN, "CONFIG": str(config)}))
+    model = next(line for line in lines if " MODEL_PATH " in line)
+    assert model.split()[0] == "WARN" and "not checked: the settings could not be read" in model, model
+    settings = [line for line in lines if line.split()[:2] == ["FAIL", "settings"]]
+    assert settings and "is not valid YAML" in settings[0]

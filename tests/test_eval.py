@@ -88,3 +88,9 @@ def test_missing_model_or_step_or_data_are_one_line_errors(tiny_model_dir, data_
     line = assert_one_line_error(run_app("eval", "--data", str(sft_file), env={"MODEL": str(tiny_model_dir)}))
     assert "RL format" in line
     assert_one_line_error(run_app("eval", "--bogus", env={"MODEL": str(tiny_model_dir)}))
+    # an OUT that cannot be a directory is refused before the model loads, not after it generated
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = assert_one_line_error(run_app("eval", env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(data_dir),
+                                                      "OUT": str(afile), "EVAL_BACKEND": "hf"}))
+    assert line == f"error: the eval output {afile} is a file: set OUT to a directory you can write"

@@ -284,3 +284,25 @@ def test_compose_interpolation_defaults_are_the_registrys():
     text = (REPO / "compose.yaml").read_text()
     defaults = dict(re.findall(r"\$\{(\w+):-([^}]*)\}", text))
     assert defaults and all(st.BY_NAME[name].default == value for name, value in defaults.items()), defaults
+
+
+# --- a .env that would be misread --------------------------------------------------------------------
+
+def test_a_launch_refuses_a_misspelt_setting_in_dotenv_and_doctor_warns_of_it(dotenv):
+    text = "NNODE=2\nNCCL_SOCKET_IFNAME=lo\nMY_OWN_THING=1\n"  # a typo, a name handed on, a name of the user's
+    line = assert_one_line_error(app_with(dotenv, "sft", text=text, DRY_RUN="1"))
+    assert line == (f"error: {dotenv}: NNODE (did you mean NNODES?) is not a setting, so nothing would read it: "
+                    "rename (`make settings` lists every setting)")
+    doctor = app_with(dotenv, "doctor", text=text).stdout
+    assert "in " + str(dotenv) + " but no setting: NNODE (did you mean NNODES?)" in doctor
+    assert "MY_OWN_THING" not in doctor and "NCCL_SOCKET_IFNAME (did" not in doctor
+    assert app_with(dotenv, "settings", text=text).returncode == 0  # only a launch refuses
+
+
+def test_a_dotenv_that_is_not_utf8_and_a_missing_env_file_are_refused_in_one_line(dotenv, tmp_path):
+    dotenv.write_bytes(b"NNODES=1\nHEAD_IP=\xff\xfe\n")
+    line = assert_one_line_error(run_app("settings", env={"ENV_FILE": str(dotenv)}))
+    assert line == f"error: {dotenv} line 2 is not UTF-8 text: save the file as UTF-8 (compose reads it as UTF-8 too)"
+    missing = tmp_path / "nope.env"
+    line = assert_one_line_error(run_app("settings", env={"ENV_FILE": str(missing)}))
+    assert line == f"error: ENV_FILE={missing} does not exist: point it at your dotenv file, or unset it to read ./.env"
