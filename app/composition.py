@@ -161,6 +161,7 @@ def _has_key(cfg, dotted: str) -> bool:
     return True
 
 
+@functools.cache  # read by the key check and the value check of one preflight: composed once
 def _verl_base_config(job: str):
     """verl's packaged config of `job`, without our profile.
 

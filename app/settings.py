@@ -142,8 +142,10 @@ REGISTRY: tuple[Var, ...] = (
         "(default: the one run present; check: sft)", "merge/gather/report/eval 用哪个任务的运行、`make check` 检查哪个"
         "（默认：现有的那个运行；check 默认 sft）", ("check", "doctor", "gather", "merge", "eval", "report"),
         G_RUN, choices=("sft", "grpo")),
-    Var("ARGS", "words", None, "Hydra overrides appended last: ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"",
-        "追加在最后的 Hydra 覆盖项：ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"", ("check", "config", "sft",
+    Var("ARGS", "words", None, "Hydra overrides appended last: ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\" "
+        "(what a setting decides, e.g. the model path, data files, run dir or node count, is refused here: set the "
+        "setting)", "追加在最后的 Hydra 覆盖项：ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"（由设置决定的项，如模型路径、"
+        "数据文件、运行目录、节点数，在这里会被拒绝：请改设置）", ("check", "config", "sft",
         "grpo-head", "smoke"), G_RUN, example="optim.lr=1e-5 trainer.total_epochs=2"),
     Var("VLLM_ATTENTION_BACKEND", "text", None, "refused: vLLM 0.24 ignores it; configs/grpo.yaml picks the "
         "backend", "会被拒绝：vLLM 0.24 忽略它；注意力后端在 configs/grpo.yaml 中选择", ("check", *LAUNCH),
