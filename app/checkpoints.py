@@ -644,6 +644,9 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
 
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
     nodes = parse_nodes(nodes_text or "", ckpt_dir, environ)
+    if not nodes and not ckpt_dir.is_dir():
+        raise UserError(f"no run directory {ckpt_dir} on this node and no NODES to pull from: set CKPT_DIR to "
+                        "the run, and NODES=\"host1 host2\" to the nodes that hold its shards")
     spec = (step or "latest").strip()
     latest_here = ckpt_dir / LATEST_FILE
     if spec == "latest" and latest_here.is_file():
@@ -657,9 +660,6 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
                     _rsync([node.url(LATEST_FILE), f"{tmp}/{i}"], node, f"read {LATEST_FILE}")
                     text = Path(f"{tmp}/{i}").read_text().strip()
                     numbers += [int(text)] if text.isdigit() else []
-        if not numbers and not nodes and not ckpt_dir.is_dir():
-            raise UserError(f"no run directory {ckpt_dir} on this node and no NODES to pull from: set CKPT_DIR to "
-                            "the run, and NODES=\"host1 host2\" to the nodes that hold its shards")
         if not numbers:
             raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
                             "set STEP=N (the global_step_N to gather)")

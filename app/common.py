@@ -22,15 +22,15 @@ PASS_PREFIXES = ("NCCL_", "GLOO_", "SWANLAB_", "HF_", "TRANSFORMERS_", "TORCH_",
 PASS_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH")
 
 
-def directory_problem(path: Path) -> str | None:
-    """Why a command cannot create or write the directory `path` (a file there or above it, no write access), as
-    the end of a sentence about it; None where it can."""
+def directory_problem(path: Path, writable: bool = True) -> str | None:
+    """Why a command cannot create or write the directory `path` (a file there or above it; with `writable`, no
+    write access), as the end of a sentence about it; None where it can."""
     if path.exists() and not path.is_dir():
         return "is a file"
     existing = next(parent for parent in [path, *path.parents] if parent.exists())
     if not existing.is_dir():
         return f"is under {existing}, which is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
         return "is not writable" if existing == path else f"cannot be created in {existing} (not writable)"
     return None
 

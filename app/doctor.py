@@ -421,12 +421,15 @@ def check_settings(settings: Settings) -> Check:
     where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
     detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
               + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
+    problems, fixes = [], []
     if settings.misspelt:
-        return Check("settings", "warn", detail + f"; in {settings.env_file} but no setting: "
-                     f"{', '.join(settings.misspelt)}", "rename it (`make settings` lists every setting)")
+        problems.append(f"in {settings.env_file} but no setting: {', '.join(settings.misspelt)}")
+        fixes.append("rename it (`make settings` lists every setting)")
     if settings.ignored:
-        return Check("settings", "warn", detail + f"; in .env but read by make only: {', '.join(settings.ignored)}",
-                     "set those on the make command line or in the shell (`make settings` shows all)")
+        problems.append(f"in .env but read by make only: {', '.join(settings.ignored)}")
+        fixes.append("set those on the make command line or in the shell (`make settings` shows all)")
+    if problems:
+        return Check("settings", "warn", "; ".join([detail, *problems]), "; ".join(fixes))
     return Check("settings", "ok", detail)
 
 

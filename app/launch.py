@@ -442,7 +442,8 @@ def launch_grpo_head(settings: Settings) -> int:
     auth = ray_auth_env(s.run_dir, settings, create=not dry)
     head_cmd = head_command(s, settings)
     # this attempt's tracking settings also travel in the job's runtime_env, to actors on every node
-    driver_cmd = grpo_driver_command(plan, settings, tracking_overrides(track))
+    # so does vLLM's cache setting: it then holds even under a Ray head this command did not start
+    driver_cmd = grpo_driver_command(plan, settings, tracking_overrides({**track, **vllm_env(settings)}))
     extra = {**track, **auth, **vllm_env(settings)}
     if dry:
         print_plan(settings, f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",

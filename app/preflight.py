@@ -306,7 +306,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
 
-    problem = directory_problem(s.run_dir)
+    problem = directory_problem(s.run_dir, writable=gpus)  # `make check` on a laptop for a cluster's path
     if problem:
         raise UserError(f"the run directory {s.run_dir} {problem}: set CKPT_DIR to a directory you can write "
                         "(created where missing)")
@@ -381,8 +381,14 @@ def refuse_args_over_settings(s: Launch, cfg) -> None:
     for key, (setting, ours) in launch_owned(s).items():
         if not _sets_key(s.args, key):
             continue
-        value = OmegaConf.select(cfg, key)
-        if str(value) != str(ours):
+        value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+        if key == "data.val_files" and value is None:
+            continue  # null or ~data.val_files: no validation, which no setting says
+        if OmegaConf.is_list(value):
+            raise UserError(f"ARGS sets {key} to {len(value)} files: the stack trains on one parquet per split; "
+                            f"join them into one file and set {setting} to it")
+        same = (Path(str(value)).expanduser().resolve() == ours) if isinstance(ours, Path) else str(value) == str(ours)
+        if not same:
             raise UserError(f"ARGS sets {key}={value}, but this launch takes it from {setting} ({ours}): set "
                             f"{setting} instead and drop {key} from ARGS")
 
@@ -397,12 +403,11 @@ WORD_VALUES = {"sft": {"trainer.save_freq": "after_each_epoch", "trainer.test_fr
 
 
 def _kind(value) -> str | None:
-    """The kind of a verl default whose type its code relies on; None where any value may do."""
+    """The kind of a verl default whose type its code relies on; None where any value may do. An int default
+    stands for a number: verl's YAML writes float fields' defaults as 0 or 1 (entropy_coeff, top_p)."""
     if isinstance(value, bool):
         return "true or false"
-    if isinstance(value, int):
-        return "a whole number"
-    if isinstance(value, float):
+    if isinstance(value, (int, float)):
         return "a number"
     return None
 
@@ -427,16 +432,18 @@ def check_user_values(s: Launch, cfg) -> None:
     for o in s.config_layer:
         user.setdefault(o.lstrip("+~").split("=", 1)[0], "CONFIG")
     for key, source in user.items():
-        value = OmegaConf.select(cfg, key, default=None)
+        # an interpolation that does not resolve: verl's own composition says so later, in its words
+        value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
         if value is None or WORD_VALUES[s.job].get(key) == value:
             continue  # null (verl's "unset"), deleted, or the word verl takes there
         found, default = verl_default(s.job, key)
         kind = _kind(default) if found else None
         if kind and not _fits(kind, value):
-            raise UserError(f"{key}={value} from {source}: verl expects {kind} there, like its default {default}: "
+            shown = f"{value!r} (text)" if isinstance(value, str) and kind == "a number" else value
+            raise UserError(f"{key}={shown} from {source}: verl expects {kind} there, like its default {default}: "
                             f"fix it in {'ARGS' if source == 'ARGS' else 'the CONFIG file'}")
-        if key in POSITIVE_KEYS and _fits("a whole number", value) and value < 1:
-            raise UserError(f"{key}={value} from {source}: it must be at least 1")
+        if key in POSITIVE_KEYS and not (_fits("a whole number", value) and value >= 1):
+            raise UserError(f"{key}={value} from {source}: it must be a whole number, at least 1")
         if key in LEARNING_RATES and _fits("a number", value) and value <= 0:
             raise UserError(f"{key}={value} from {source}: a learning rate must be above 0, e.g. 1e-5")
 

@@ -409,7 +409,8 @@ class Settings:
         if self.misspelt and command in LAUNCH:
             many = len(self.misspelt) > 1
             raise UserError(f"{self.env_file}: {', '.join(self.misspelt)} {'are' if many else 'is'} not a setting, so "
-                            f"nothing would read {'them' if many else 'it'}: rename (`make settings` lists every setting)")
+                            f"the stack would not read {'them' if many else 'it'}: rename (`make settings` lists "
+                            "every setting)")
         for var in REGISTRY:
             error = self.values[var.name].error
             if error and (command in var.commands or "all" in var.commands):
@@ -467,20 +468,21 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def misspelt(dotenv: Mapping[str, str]) -> list[str]:
-    """`NAME (did you mean SETTING?)` for each .env name that is no setting of ours and no name handed on to the
-    processes (PASS_PREFIXES), but one letter or two away from a setting: NNODE=2 would otherwise be passed on
-    unread, and the run would go ahead on one node."""
-    import difflib
+    """`NAME (did you mean SETTING?)` for each .env name that is no setting but one of ours written with another
+    case, an underscore more or less, or a plural S more or less (NNODE, DATADIR, model_path): .env hands it on to
+    the processes, but the stack itself would not read it, and NNODE=2 would train on one node. Anything else in
+    .env (WANDB_API_KEY, NVIDIA_VISIBLE_DEVICES, a proxy) is the user's and passes."""
+    def shape(name: str) -> str:
+        return name.upper().replace("_", "").removesuffix("S")
 
-    from app.common import PASS_NAMES, PASS_PREFIXES
-
+    ours = {shape(name): name for name in BY_NAME}
     out = []
     for name in dotenv:
-        if name in BY_NAME or name in PASS_NAMES or name.startswith(PASS_PREFIXES):
+        if name in BY_NAME or len(name) < 5:  # GPUS, OUTS: too short to tell a typo from a name of one's own
             continue
-        close = difflib.get_close_matches(name, BY_NAME, n=1, cutoff=0.8)
+        close = ours.get(shape(name))
         if close:
-            out.append(f"{name} (did you mean {close[0]}?)")
+            out.append(f"{name} (did you mean {close}?)")
     return out
 
 

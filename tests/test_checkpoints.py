@@ -335,3 +335,12 @@ def test_gather_names_an_unreachable_node(runs, tmp_path):
     line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(node0), "NODES": "nobody@127.0.0.1:1"},
                                          timeout=120))
     assert "127.0.0.1" in line
+
+
+@pytest.mark.parametrize("step", ["", "5"])
+def test_gather_of_a_run_that_is_nowhere_says_so_whatever_the_step(tmp_path, step):
+    missing = tmp_path / "no-such-run"
+    line = assert_one_line_error(run_app("gather", env={"CKPT_DIR": str(missing), "STEP": step, "NODES": "",
+                                                        "JOB": "sft"}))
+    assert line == (f"error: no run directory {missing} on this node and no NODES to pull from: set CKPT_DIR to the "
+                    "run, and NODES=\"host1 host2\" to the nodes that hold its shards")

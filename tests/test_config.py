@@ -327,16 +327,16 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
 
 
 @pytest.mark.parametrize("job,args,match", [
-    ("sft", "optim.lr=abc", "optim.lr=abc from ARGS: verl expects a number there, like its default 0.001: fix it in ARGS"),
+    ("sft", "optim.lr=abc", "optim.lr='abc' (text) from ARGS: verl expects a number there, like its default 0.001: fix it in ARGS"),
     ("grpo", "actor_rollout_ref.actor.optim.lr=-1e-6", "a learning rate must be above 0"),
-    ("sft", "trainer.total_epochs=two", "trainer.total_epochs=two from ARGS: verl expects a whole number there"),
-    ("sft", "trainer.total_epochs=2.5", "trainer.total_epochs=2.5 from ARGS: verl expects a whole number there"),
-    ("grpo", "data.train_batch_size=abc", "data.train_batch_size=abc from ARGS: verl expects a whole number"),
-    ("grpo", "data.train_batch_size=0", "data.train_batch_size=0 from ARGS: it must be at least 1"),
-    ("sft", "data.train_batch_size=-1", "data.train_batch_size=-1 from ARGS: it must be at least 1"),
-    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n=abc from ARGS: verl expects a whole"),
+    ("sft", "trainer.total_epochs=two", "trainer.total_epochs='two' (text) from ARGS: verl expects a number there"),
+    ("sft", "trainer.total_epochs=2.5", "trainer.total_epochs=2.5 from ARGS: it must be a whole number, at least 1"),
+    ("grpo", "data.train_batch_size=abc", "data.train_batch_size='abc' (text) from ARGS: verl expects a number"),
+    ("grpo", "data.train_batch_size=0", "data.train_batch_size=0 from ARGS: it must be a whole number, at least 1"),
+    ("sft", "data.train_batch_size=-1", "data.train_batch_size=-1 from ARGS: it must be a whole number, at least 1"),
+    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n='abc' (text) from ARGS: verl expects a number"),
     ("sft", "model.enable_gradient_checkpointing=1", "verl expects true or false there"),
-    ("grpo", "trainer.save_freq=after_each_epoch", "trainer.save_freq=after_each_epoch from ARGS: verl expects a whole"),
+    ("grpo", "trainer.save_freq=after_each_epoch", "trainer.save_freq='after_each_epoch' (text) from ARGS: verl expects a number"),
     ("sft", "=5", "the sft config does not compose: Config group override must be a string or a list"),
     ("sft", "optim=[1,2]", "the sft config does not compose"),
 ])
@@ -345,10 +345,33 @@ def test_rejects_values_of_the_wrong_type_or_range_before_verl_meets_them(launch
     assert "\n" not in line
 
 
+@pytest.mark.parametrize("job,args", [
+    # float fields whose default verl's YAML writes as 0 or 1, a verl walkthrough's values
+    ("grpo", "actor_rollout_ref.rollout.top_p=0.95 actor_rollout_ref.actor.entropy_coeff=0.001 "
+             "actor_rollout_ref.rollout.val_kwargs.temperature=0.6 actor_rollout_ref.rollout.n=8 "
+             "trainer.save_freq=20 trainer.test_freq=-1 trainer.logger=[console,swanlab]"),
+    ("sft", "optim.lr=1e-5 optim.weight_decay=0 optim.clip_grad=1 trainer.total_training_steps=null "
+            "trainer.save_freq=after_each_epoch"),
+    ("sft", "data.val_files=null"),  # validation off: no setting says that, so ARGS may
+])
+def test_common_walkthrough_values_pass_the_value_check(launch_env, monkeypatch, job, args):
+    monkeypatch.setenv("ARGS", args)
+    plan_of(job)
+
+
+def test_interpolated_values_are_checked_once_resolved_and_never_an_internal_error(launch_env):
+    # oc.env gives text: verl's optimizer would get the string '1e-06'
+    line = assert_one_line_error(run_app("check", "grpo", env={
+        **launch_env, "ARGS": "actor_rollout_ref.actor.optim.lr=${oc.env:NO_SUCH_VARIABLE_HERE,1e-6}"}))
+    assert "actor_rollout_ref.actor.optim.lr='1e-06' (text) from ARGS: verl expects a number there" in line
+    result = run_app("check", "grpo", env={**launch_env, "ARGS": "actor_rollout_ref.actor.optim.lr=${oc.env:NO_SUCH_VARIABLE_HERE}"})
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_wrong_value_in_the_config_file_is_named_with_its_file(launch_env, monkeypatch, tmp_path):
     config = tmp_path / "mine.yaml"
     config.write_text("trainer:\n  total_epochs: two\n")
-    rejects("sft", monkeypatch, re.escape("trainer.total_epochs=two from CONFIG: verl expects a whole number there, "
+    rejects("sft", monkeypatch, re.escape("trainer.total_epochs='two' (text) from CONFIG: verl expects a number there, "
                                           "like its default 4: fix it in the CONFIG file"), CONFIG=str(config))
     # SFT's own words for "at each epoch's end" pass where verl's SFT trainer takes them
     words = tmp_path / "words.yaml"
@@ -392,6 +415,19 @@ def test_args_cannot_override_what_a_setting_decides_and_the_refusal_names_the_s
     # the value the setting gives anyway is harmless (a walkthrough's pasted overrides) and passes
     monkeypatch.setenv("ARGS", "trainer.nnodes=1 trainer.n_gpus_per_node=1")
     assert plan_of(job).config.trainer.nnodes == 1
+
+
+def test_args_naming_the_settings_own_path_another_way_pass_and_a_list_of_files_is_said(launch_env, monkeypatch,
+                                                                                          tmp_path):
+    link = tmp_path / "model-link"
+    link.symlink_to(launch_env["MODEL_PATH"])
+    monkeypatch.setenv("MODEL_PATH", str(link))
+    monkeypatch.setenv("ARGS", f"actor_rollout_ref.model.path={link}/")  # a symlink and a trailing slash
+    plan_of("grpo")
+    train = launch_env["DATA_DIR"] + "/gsm8k/train.parquet"
+    line = rejects("grpo", monkeypatch, "to 2 files", ARGS=f"data.train_files=[{train},{train}]")
+    assert line.endswith("the stack trains on one parquet per split; join them into one file and set "
+                         "TRAIN_FILE (or DATA_DIR) to it")
 
 
 def test_rejects_the_stale_vllm_attention_backend_variable(launch_env, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,8 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
     assert "export RAY_AUTH_MODE=token" in out and "abc123" not in out
     assert "export RAY_ADDRESS=127.0.0.3:6379" in out
     assert "export VLLM_DISABLE_COMPILE_CACHE=0" in out  # verl's 1 only where the user asks for it
+    # and in the job's runtime_env, so it holds under a Ray head that this command did not start
+    assert shlex.quote("++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DISABLE_COMPILE_CACHE='0'") in out
     result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"})
     assert result.returncode == 0 and "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout, result.stderr
     assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out

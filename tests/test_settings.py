@@ -289,14 +289,19 @@ def test_compose_interpolation_defaults_are_the_registrys():
 # --- a .env that would be misread --------------------------------------------------------------------
 
 def test_a_launch_refuses_a_misspelt_setting_in_dotenv_and_doctor_warns_of_it(dotenv):
-    text = "NNODE=2\nNCCL_SOCKET_IFNAME=lo\nMY_OWN_THING=1\n"  # a typo, a name handed on, a name of the user's
-    line = assert_one_line_error(app_with(dotenv, "sft", text=text, DRY_RUN="1"))
-    assert line == (f"error: {dotenv}: NNODE (did you mean NNODES?) is not a setting, so nothing would read it: "
-                    "rename (`make settings` lists every setting)")
-    doctor = app_with(dotenv, "doctor", text=text).stdout
+    # a typo, then names handed on to the processes or read by others (wandb, the NVIDIA runtime), one's own
+    theirs = "NCCL_SOCKET_IFNAME=lo\nWANDB_API_KEY=x\nNVIDIA_VISIBLE_DEVICES=all\nGPUS=2\nMY_OWN_THING=1\n"
+    line = assert_one_line_error(app_with(dotenv, "sft", text="NNODE=2\n" + theirs, DRY_RUN="1"))
+    assert line == (f"error: {dotenv}: NNODE (did you mean NNODES?) is not a setting, so the stack would not read "
+                    "it: rename (`make settings` lists every setting)")
+    line = assert_one_line_error(app_with(dotenv, "grpo-worker", text="DATADIR=/x\nmodel_path=/y\n", DRY_RUN="1"))
+    assert "DATADIR (did you mean DATA_DIR?), model_path (did you mean MODEL_PATH?) are not a setting" in line
+    doctor = app_with(dotenv, "doctor", text="NNODE=2\n" + theirs).stdout
     assert "in " + str(dotenv) + " but no setting: NNODE (did you mean NNODES?)" in doctor
-    assert "MY_OWN_THING" not in doctor and "NCCL_SOCKET_IFNAME (did" not in doctor
-    assert app_with(dotenv, "settings", text=text).returncode == 0  # only a launch refuses
+    assert "(did" not in doctor.split("NNODE (did you mean NNODES?)", 1)[1]  # the others are not flagged
+    assert app_with(dotenv, "settings", text="NNODE=2\n").returncode == 0  # only a launch refuses
+    # the others alone do not stop a launch
+    assert "not a setting" not in app_with(dotenv, "sft", text=theirs, DRY_RUN="1").stderr
 
 
 def test_a_dotenv_that_is_not_utf8_and_a_missing_env_file_are_refused_in_one_line(dotenv, tmp_path):
