@@ -191,13 +191,53 @@ def _verl_defaults(job: str) -> dict:
 
 
 def verl_default(job: str, dotted: str):
-    """(found, value): verl's packaged default of `dotted` for `job`, the type verl's code expects there."""
-    node = _verl_defaults(job)
+    """(found, value, annotation): verl's packaged default of `dotted` for `job`, and where the section is one of
+    verl's config dataclasses (its `_target_`), the field's annotation as written (`float`, `int | None`), else None."""
+    node, parent = _verl_defaults(job), None
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
+            return False, None, None
+        parent, node = node, node[part]
+    target = parent.get("_target_") if isinstance(parent, dict) else None
+    annotation = _dataclass_fields(target).get(dotted.rsplit(".", 1)[-1]) if isinstance(target, str) else None
+    return True, node, annotation
+
+
+@functools.cache
+def _dataclass_fields(target: str) -> dict[str, str]:
+    """Field -> annotation text of verl's config dataclass `target` (a `_target_` such as
+    verl.workers.config.RolloutConfig) and its bases, read from verl's source with ast: importing
+    verl.workers.config imports torch (seconds), and YAML writes a float field's default as 0 or 1."""
+    import ast
+
+    root = verl_dir()
+    module, _, name = target.rpartition(".")
+    if root is None or not module.startswith("verl."):
+        return {}
+    folder = root.joinpath(*module.split(".")[1:])
+    files = sorted(folder.glob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+    classes: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for path in [*files, root / "base_config.py"]:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                own = {item.target.id: ast.unparse(item.annotation) for item in node.body
+                       if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+                classes.setdefault(node.name, ([ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases], own))
+
+    def fields(cls: str, seen: frozenset) -> dict[str, str]:
+        if cls not in classes or cls in seen:
+            return {}
+        bases, own = classes[cls]
+        out: dict[str, str] = {}
+        for base in bases:
+            out.update(fields(base, seen | {cls}))
+        return {**out, **own}
+
+    return fields(name, frozenset())
 
 
 def _known_key(base, dotted: str) -> bool:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from app import composition, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, raise_terminated, say, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, directory_problem, raise_terminated, say, warn
 from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
                            refuse_without_gpus, report)
 from app.runs import latest_step, logs_dir, swanlog_dir, token_file
@@ -90,6 +90,11 @@ def run_process(settings: Settings, what: str, command: list[str], extra_env: di
 def preflight_and_report(job: str, settings: Settings, dry: bool) -> Preflight:
     # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
     plan = preflight(job, settings, deep=job == "grpo", gpus=not dry)
+    # a dry run writes into the run directory too (tracking's directories, removed again): both need write access
+    problem = directory_problem(plan.launch.run_dir)
+    if problem:
+        raise UserError(f"the run directory {plan.launch.run_dir} {problem}: set CKPT_DIR to a directory you can "
+                        "write (created where missing)")
     report(plan)
     return plan
 

@@ -306,7 +306,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
 
-    problem = directory_problem(s.run_dir, writable=gpus)  # `make check` on a laptop for a cluster's path
+    problem = directory_problem(s.run_dir, writable=False)  # write access: the launch's (`make check` runs anywhere)
     if problem:
         raise UserError(f"the run directory {s.run_dir} {problem}: set CKPT_DIR to a directory you can write "
                         "(created where missing)")
@@ -331,9 +331,9 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
 
     # -- data
     kind = "sft" if job == "sft" else "rl"
-    train = Path(str(OmegaConf.select(cfg, "data.train_files")))
+    train = Path(str(_one_file(OmegaConf.select(cfg, "data.train_files"))))
     train_report = _check_data(train, kind, "train file", notes, warnings)
-    val = OmegaConf.select(cfg, "data.val_files")
+    val = _one_file(OmegaConf.select(cfg, "data.val_files"))
     if val:
         from app.data import compare_splits
 
@@ -357,6 +357,16 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
 
 
+def _one_file(value):
+    """verl's data.*_files as one path: ARGS may write the setting's own file as a list of it (refuse_args_over_settings
+    refuses longer lists); an empty list is none."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_list(value) or isinstance(value, list):
+        return value[0] if len(value) else None
+    return value
+
+
 def launch_owned(s: Launch) -> dict[str, tuple[str, object]]:
     """The config keys this launch takes from a setting, with the setting and its value: what preflight checks,
     and what torchrun, Ray and the run directory are set up with."""
@@ -377,13 +387,23 @@ def refuse_args_over_settings(s: Launch, cfg) -> None:
     the run directory follow it (ARGS="trainer.nnodes=3" beside NNODES=1 would start a 1-node torchrun for a 3-node
     verl): one line naming the setting instead. The same value twice is harmless and passes."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     for key, (setting, ours) in launch_owned(s).items():
         if not _sets_key(s.args, key):
             continue
-        value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
-        if key == "data.val_files" and value is None:
-            continue  # null or ~data.val_files: no validation, which no setting says
+        try:
+            value = OmegaConf.select(cfg, key, default=None)
+        except OmegaConfBaseException as exc:  # an interpolation that does not resolve (${oc.env:UNSET})
+            raise UserError(f"ARGS sets {key} to something that does not resolve ({' '.join(str(exc).split())[:160]}): "
+                            f"set {setting} instead") from None
+        if OmegaConf.is_list(value) and len(value) <= 1:
+            value = value[0] if len(value) else None  # [one file] is that file; [] is none
+        if key == "data.val_files" and value in (None, ""):
+            if s.job == "sft":
+                continue  # null or ~data.val_files: SFT without validation, which no setting says
+            raise UserError("ARGS turns data.val_files off, but verl 0.9.1's GRPO always builds its val dataset: "
+                            "keep a val file (VAL_FILE, or DATA_DIR's test.parquet)")
         if OmegaConf.is_list(value):
             raise UserError(f"ARGS sets {key} to {len(value)} files: the stack trains on one parquet per split; "
                             f"join them into one file and set {setting} to it")
@@ -402,9 +422,20 @@ LEARNING_RATES = ("optim.lr", "actor_rollout_ref.actor.optim.lr")
 WORD_VALUES = {"sft": {"trainer.save_freq": "after_each_epoch", "trainer.test_freq": "after_each_epoch"}, "grpo": {}}
 
 
-def _kind(value) -> str | None:
-    """The kind of a verl default whose type its code relies on; None where any value may do. An int default
-    stands for a number: verl's YAML writes float fields' defaults as 0 or 1 (entropy_coeff, top_p)."""
+def _kind(value, annotation: str | None) -> str | None:
+    """The kind of value verl's code relies on: its dataclass field's annotation where the section is one (`int`,
+    `float | None`), else the YAML default's type, an int there standing for any number (verl's YAML writes float
+    fields' defaults as 0 or 1); None where any value may do."""
+    if annotation is not None:
+        words = set(annotation.replace("Optional[", " ").replace("]", " ").replace("|", " ").split())
+        words.discard("None")
+        if words == {"bool"}:
+            return "true or false"
+        if words == {"int"}:
+            return "a whole number"
+        if words <= {"int", "float"} and "float" in words:
+            return "a number"
+        return None
     if isinstance(value, bool):
         return "true or false"
     if isinstance(value, (int, float)):
@@ -436,10 +467,10 @@ def check_user_values(s: Launch, cfg) -> None:
         value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
         if value is None or WORD_VALUES[s.job].get(key) == value:
             continue  # null (verl's "unset"), deleted, or the word verl takes there
-        found, default = verl_default(s.job, key)
-        kind = _kind(default) if found else None
+        found, default, annotation = verl_default(s.job, key)
+        kind = _kind(default, annotation) if found else None
         if kind and not _fits(kind, value):
-            shown = f"{value!r} (text)" if isinstance(value, str) and kind == "a number" else value
+            shown = f"{value!r} (text)" if isinstance(value, str) and kind != "true or false" else value
             raise UserError(f"{key}={shown} from {source}: verl expects {kind} there, like its default {default}: "
                             f"fix it in {'ARGS' if source == 'ARGS' else 'the CONFIG file'}")
         if key in POSITIVE_KEYS and not (_fits("a whole number", value) and value >= 1):
@@ -481,6 +512,8 @@ def _check_config(s: Launch, cfg, notes: list[str], warnings: list[str]) -> None
                         f"ARGS='{perf.attention_key(job)}=sdpa'")
 
     save_freq = sel("trainer.save_freq")
+    if isinstance(save_freq, float):
+        raise UserError(f"trainer.save_freq={save_freq} is not a whole number of steps: e.g. ARGS='trainer.save_freq=20'")
     if not (save_freq in WORD_VALUES[job].values() or (isinstance(save_freq, int) and save_freq > 0)):
         raise UserError(f"trainer.save_freq={save_freq} writes no checkpoint (verl's default -1): "
                         "set it > 0, e.g. ARGS='trainer.save_freq=20'")

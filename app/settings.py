@@ -469,16 +469,18 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
 
 def misspelt(dotenv: Mapping[str, str]) -> list[str]:
     """`NAME (did you mean SETTING?)` for each .env name that is no setting but one of ours written with another
-    case, an underscore more or less, or a plural S more or less (NNODE, DATADIR, model_path): .env hands it on to
+    case, an underscore more or less, or without its plural S (NNODE, DATADIR, model_path): .env hands it on to
     the processes, but the stack itself would not read it, and NNODE=2 would train on one node. Anything else in
     .env (WANDB_API_KEY, NVIDIA_VISIBLE_DEVICES, a proxy) is the user's and passes."""
     def shape(name: str) -> str:
-        return name.upper().replace("_", "").removesuffix("S")
+        return name.upper().replace("_", "")
 
+    # ours as written, and those ending in S without it (NNODE); not the other way: STEPS or MODELS may be anyone's
     ours = {shape(name): name for name in BY_NAME}
+    ours.update({shape(name)[:-1]: name for name in BY_NAME if name.endswith("S") and shape(name)[:-1] not in ours})
     out = []
     for name in dotenv:
-        if name in BY_NAME or len(name) < 5:  # GPUS, OUTS: too short to tell a typo from a name of one's own
+        if name in BY_NAME or len(name) < 5:  # too short to tell a typo from a name of one's own
             continue
         close = ours.get(shape(name))
         if close:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, hydra_quoted, say, warn
+from app.common import ArgParser, UserError, atomic_path, hydra_quoted, say, warn, writable_dir
 from app.runs import default_run_dir, logs_dir, swanlog_dir
 from app.settings import Settings
 
@@ -58,8 +58,8 @@ def tracking_env(run: Path, swanlab_mode: str = "local") -> dict[str, str]:
     run = Path(run)
     logs = logs_dir(run)
     # verl's FileLogger opens VERL_FILE_LOGGER_PATH without creating its directory.
-    logs.mkdir(parents=True, exist_ok=True)
-    swanlog_dir(run).mkdir(parents=True, exist_ok=True)
+    writable_dir(logs, "CKPT_DIR")
+    writable_dir(swanlog_dir(run), "CKPT_DIR")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = logs / f"metrics-{stamp}.jsonl"
     n = 0

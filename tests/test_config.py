@@ -334,11 +334,17 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
     ("grpo", "data.train_batch_size=abc", "data.train_batch_size='abc' (text) from ARGS: verl expects a number"),
     ("grpo", "data.train_batch_size=0", "data.train_batch_size=0 from ARGS: it must be a whole number, at least 1"),
     ("sft", "data.train_batch_size=-1", "data.train_batch_size=-1 from ARGS: it must be a whole number, at least 1"),
-    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n='abc' (text) from ARGS: verl expects a number"),
+    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n='abc' (text) from ARGS: verl expects a whole number"),
     ("sft", "model.enable_gradient_checkpointing=1", "verl expects true or false there"),
     ("grpo", "trainer.save_freq=after_each_epoch", "trainer.save_freq='after_each_epoch' (text) from ARGS: verl expects a number"),
     ("sft", "=5", "the sft config does not compose: Config group override must be a string or a list"),
     ("sft", "optim=[1,2]", "the sft config does not compose"),
+    # a whole number by verl's dataclass (RolloutConfig.max_num_seqs: int), though its section's YAML allows floats
+    ("grpo", "actor_rollout_ref.rollout.max_num_seqs=0.5", "max_num_seqs=0.5 from ARGS: verl expects a whole number"),
+    ("grpo", "trainer.save_freq=2.5", "trainer.save_freq=2.5 is not a whole number of steps"),
+    ("grpo", "data.val_files=null", "ARGS turns data.val_files off, but verl 0.9.1's GRPO always builds its val dataset"),
+    ("grpo", "actor_rollout_ref.model.path=${oc.env:NO_SUCH_VARIABLE_HERE}",
+     "ARGS sets actor_rollout_ref.model.path to something that does not resolve"),
 ])
 def test_rejects_values_of_the_wrong_type_or_range_before_verl_meets_them(launch_env, monkeypatch, job, args, match):
     line = rejects(job, monkeypatch, re.escape(match), ARGS=args)
@@ -353,6 +359,7 @@ def test_rejects_values_of_the_wrong_type_or_range_before_verl_meets_them(launch
     ("sft", "optim.lr=1e-5 optim.weight_decay=0 optim.clip_grad=1 trainer.total_training_steps=null "
             "trainer.save_freq=after_each_epoch"),
     ("sft", "data.val_files=null"),  # validation off: no setting says that, so ARGS may
+    ("sft", "data.val_files=[]"),
 ])
 def test_common_walkthrough_values_pass_the_value_check(launch_env, monkeypatch, job, args):
     monkeypatch.setenv("ARGS", args)
@@ -425,6 +432,8 @@ def test_args_naming_the_settings_own_path_another_way_pass_and_a_list_of_files_
     monkeypatch.setenv("ARGS", f"actor_rollout_ref.model.path={link}/")  # a symlink and a trailing slash
     plan_of("grpo")
     train = launch_env["DATA_DIR"] + "/gsm8k/train.parquet"
+    monkeypatch.setenv("ARGS", f"data.train_files=[{train}]")  # verl's list form of the one file
+    assert plan_of("grpo").launch.train_file == Path(train).resolve()
     line = rejects("grpo", monkeypatch, "to 2 files", ARGS=f"data.train_files=[{train},{train}]")
     assert line.endswith("the stack trains on one parquet per split; join them into one file and set "
                          "TRAIN_FILE (or DATA_DIR) to it")

@@ -290,7 +290,8 @@ def test_compose_interpolation_defaults_are_the_registrys():
 
 def test_a_launch_refuses_a_misspelt_setting_in_dotenv_and_doctor_warns_of_it(dotenv):
     # a typo, then names handed on to the processes or read by others (wandb, the NVIDIA runtime), one's own
-    theirs = "NCCL_SOCKET_IFNAME=lo\nWANDB_API_KEY=x\nNVIDIA_VISIBLE_DEVICES=all\nGPUS=2\nMY_OWN_THING=1\n"
+    theirs = ("NCCL_SOCKET_IFNAME=lo\nWANDB_API_KEY=x\nNVIDIA_VISIBLE_DEVICES=all\nGPUS=2\nMY_OWN_THING=1\n"
+              "STEPS=100\nMODELS=/m\n")  # plurals of settings (STEP, MODEL) may be anyone's
     line = assert_one_line_error(app_with(dotenv, "sft", text="NNODE=2\n" + theirs, DRY_RUN="1"))
     assert line == (f"error: {dotenv}: NNODE (did you mean NNODES?) is not a setting, so the stack would not read "
                     "it: rename (`make settings` lists every setting)")
