@@ -208,25 +208,16 @@ def _dataclass_fields(target: str) -> dict[str, str]:
     """Field -> annotation text of verl's config dataclass `target` (a `_target_` such as
     verl.workers.config.RolloutConfig) and its bases, read from verl's source with ast: importing
     verl.workers.config imports torch (seconds), and YAML writes a float field's default as 0 or 1."""
-    import ast
-
     root = verl_dir()
     module, _, name = target.rpartition(".")
     if root is None or not module.startswith("verl."):
         return {}
     folder = root.joinpath(*module.split(".")[1:])
     files = sorted(folder.glob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
-    classes: dict[str, tuple[list[str], dict[str, str]]] = {}
+    classes: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
     for path in [*files, root / "base_config.py"]:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.ClassDef):
-                own = {item.target.id: ast.unparse(item.annotation) for item in node.body
-                       if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
-                classes.setdefault(node.name, ([ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases], own))
+        for cls, found in _source_classes(path).items():
+            classes.setdefault(cls, found)
 
     def fields(cls: str, seen: frozenset) -> dict[str, str]:
         if cls not in classes or cls in seen:
@@ -238,6 +229,24 @@ def _dataclass_fields(target: str) -> dict[str, str]:
         return {**out, **own}
 
     return fields(name, frozenset())
+
+
+@functools.cache
+def _source_classes(path: Path) -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+    """The top-level classes of one Python file: name -> (base names, field -> annotation text); parsed once."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            own = {item.target.id: ast.unparse(item.annotation) for item in node.body
+                   if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+            out.setdefault(node.name, (tuple(ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases), own))
+    return out
 
 
 def _known_key(base, dotted: str) -> bool:

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from app import composition, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, directory_problem, raise_terminated, say, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, raise_terminated, say, warn
 from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
-                           refuse_without_gpus, report)
+                           refuse_unusable_run_dir, refuse_without_gpus, report)
 from app.runs import latest_step, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
 
@@ -91,10 +91,7 @@ def preflight_and_report(job: str, settings: Settings, dry: bool) -> Preflight:
     # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
     plan = preflight(job, settings, deep=job == "grpo", gpus=not dry)
     # a dry run writes into the run directory too (tracking's directories, removed again): both need write access
-    problem = directory_problem(plan.launch.run_dir)
-    if problem:
-        raise UserError(f"the run directory {plan.launch.run_dir} {problem}: set CKPT_DIR to a directory you can "
-                        "write (created where missing)")
+    refuse_unusable_run_dir(plan.launch.run_dir)
     report(plan)
     return plan
 

@@ -306,10 +306,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
         raise UserError(f"relative path {s.relative[0]} in a {s.nnodes}-node run: use absolute paths, "
                         "identical on every node (compose mounts data/, models/, checkpoints/ that way)")
 
-    problem = directory_problem(s.run_dir, writable=False)  # write access: the launch's (`make check` runs anywhere)
-    if problem:
-        raise UserError(f"the run directory {s.run_dir} {problem}: set CKPT_DIR to a directory you can write "
-                        "(created where missing)")
+    refuse_unusable_run_dir(s.run_dir, writable=False)  # write access: the launch's (`make check` runs anywhere)
 
     # -- the model
     if s.model_path is None:
@@ -357,6 +354,13 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
 
 
+def refuse_unusable_run_dir(run: Path, writable: bool = True) -> None:
+    problem = directory_problem(run, writable)
+    if problem:
+        raise UserError(f"the run directory {run} {problem}: set CKPT_DIR to a directory you can write "
+                        "(created where missing)")
+
+
 def _one_file(value):
     """verl's data.*_files as one path: ARGS may write the setting's own file as a list of it (refuse_args_over_settings
     refuses longer lists); an empty list is none."""
@@ -398,7 +402,7 @@ def refuse_args_over_settings(s: Launch, cfg) -> None:
             raise UserError(f"ARGS sets {key} to something that does not resolve ({' '.join(str(exc).split())[:160]}): "
                             f"set {setting} instead") from None
         if OmegaConf.is_list(value) and len(value) <= 1:
-            value = value[0] if len(value) else None  # [one file] is that file; [] is none
+            value = _one_file(value)  # [one file] is that file; [] is none
         if key == "data.val_files" and value in (None, ""):
             if s.job == "sft":
                 continue  # null or ~data.val_files: SFT without validation, which no setting says
@@ -459,9 +463,9 @@ def check_user_values(s: Launch, cfg) -> None:
 
     from app.composition import verl_default
 
-    user = {o.lstrip("+~").split("=", 1)[0]: "ARGS" for o in s.args if "=" in o}
+    user = {_override_key(o): "ARGS" for o in s.args if "=" in o}
     for o in s.config_layer:
-        user.setdefault(o.lstrip("+~").split("=", 1)[0], "CONFIG")
+        user.setdefault(_override_key(o), "CONFIG")
     for key, source in user.items():
         # an interpolation that does not resolve: verl's own composition says so later, in its words
         value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
@@ -662,8 +666,13 @@ def _choose_vllm_executor(cfg, notes: list[str]) -> str | None:
     return f"++{VLLM_EXECUTOR_KEY}=uni"
 
 
+def _override_key(override: str) -> str:
+    """The dotted key of a Hydra override (`++a.b=1`, `~a.b`)."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def _sets_key(overrides: list[str], key: str) -> bool:
-    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+    return any(_override_key(o) == key for o in overrides)
 
 
 # apply_chat_template arguments that change how verl tokenizes (its tokenize=True path) or that clash with the

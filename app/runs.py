@@ -9,7 +9,6 @@ writes models/<run>-step<N>.
 from __future__ import annotations
 
 import json
-
 import re
 from pathlib import Path
 
