@@ -415,6 +415,9 @@ def refuse_args_over_settings(s: Launch, cfg) -> None:
         if not same:
             raise UserError(f"ARGS sets {key}={value}, but this launch takes it from {setting} ({ours}): set "
                             f"{setting} instead and drop {key} from ARGS")
+        if isinstance(ours, Path) and s.multi_node and not str(value).startswith("/"):  # verl gets it as written
+            raise UserError(f"{key}={value} is relative in a {s.nnodes}-node run: use an absolute path, "
+                            "identical on every node")
 
 
 # Whole numbers that must be >= 1 wherever the job has them (verl takes 0 or -1 and fails, or trains nothing, later)

@@ -324,6 +324,11 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
             MODEL_PATH="models/tiny")
     monkeypatch.setenv("MODEL_PATH", launch_env["MODEL_PATH"])
     rejects("sft", monkeypatch, "relative path CKPT_DIR=ckpt", CKPT_DIR="ckpt")
+    # ARGS naming the setting's own run dir relatively: the same place here, but verl gets the text on every node
+    monkeypatch.chdir(Path(launch_env["CKPT_DIR"]).parent)
+    monkeypatch.setenv("CKPT_DIR", launch_env["CKPT_DIR"])
+    rejects("sft", monkeypatch, "trainer.default_local_dir=run is relative in a 2-node run",
+            ARGS="trainer.default_local_dir=run")
 
 
 @pytest.mark.parametrize("job,args,match", [
