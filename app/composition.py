@@ -295,12 +295,15 @@ def check_profile_keys(job: str, settings=None) -> None:
                            lambda key: key in PROFILE_NEW_KEYS[job] or _known_key(base, key))
 
 
-def verl_validate(cfg) -> None:
-    """verl's own validate_config (GRPO), which main_ppo runs only once the driver starts.
+def verl_validate(cfg) -> list[str]:
+    """verl's own validate_config (GRPO), which main_ppo runs only once the driver starts; what it could not
+    check here, as notes.
 
     It imports verl (and torch): seconds, so only `check` and the real grpo-head launch run it.
     """
     import contextlib
+    import copy
+    import importlib.util
     import io
     import warnings
 
@@ -314,6 +317,18 @@ def verl_validate(cfg) -> None:
         raise UserError(f"algorithm.adv_estimator={estimator}: verl 0.9.1 has no such estimator; choose one of "
                         f"{', '.join(sorted(ADV_ESTIMATOR_REGISTRY))}")
 
+    notes = []
+    rank = _lora_rank_for_vllm(cfg)
+    if rank and importlib.util.find_spec("vllm") is None:
+        # verl checks a LoRA rank by importing vLLM's limits, and without vLLM it refuses every LoRA config
+        # ("vllm version None not supported"): on a laptop or a CPU node (preflight warns that GPU nodes need
+        # vLLM) everything else is checked, the rank where vLLM is installed (the image, grpo-head's preflight)
+        cfg = copy.deepcopy(cfg)
+        cfg.actor_rollout_ref.model.lora_rank = 0
+        if "rank" in (cfg.actor_rollout_ref.model.get("lora") or {}):
+            cfg.actor_rollout_ref.model.lora.rank = 0
+        notes.append(f"LoRA rank {rank} not checked against vLLM's limits: vLLM is not importable here "
+                     "(grpo-head's preflight checks it where vLLM is installed, as in the image)")
     try:
         # its "all checks passed" print and the critic-disabled notice would drown our one-line summary
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
@@ -321,4 +336,18 @@ def verl_validate(cfg) -> None:
             validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     except (AssertionError, ValueError, TypeError) as exc:
         raise UserError(f"verl's validate_config rejects the grpo config: {' '.join(str(exc).split())}") from None
+    return notes
+
+
+def _lora_rank_for_vllm(cfg) -> int:
+    """The LoRA rank verl's validate_config checks against vLLM (0: none), read as verl 0.9.1 reads it:
+    model.lora.rank, else model.lora_rank; none where model.lora.merge folds the adapter before rollout."""
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if rollout.get("name") != "vllm":
+        return 0
+    lora = model.get("lora") or {}
+    if lora.get("merge", False):
+        return 0
+    rank = lora.get("rank", 0) or 0
+    return rank if rank > 0 else (model.get("lora_rank", 0) or 0)
 

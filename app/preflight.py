@@ -349,7 +349,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
             overrides = [executor, *overrides]
 
     if deep and job == "grpo":
-        verl_validate(cfg)
+        notes += verl_validate(cfg)
         notes.append("verl's validate_config: passed")
     return Preflight(launch=s, overrides=overrides, args=s.args, config=cfg, notes=notes, warnings=warnings)
 

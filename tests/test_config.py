@@ -6,6 +6,7 @@ through the real CLI to prove the one-line error contract.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -108,6 +109,32 @@ def test_check_runs_verls_validate_config_and_its_rejection_is_one_line(launch_e
     line = assert_one_line_error(run_app("check", "grpo", env={**launch_env, "ARGS": args}))
     assert line.startswith("error: verl's validate_config rejects the grpo config:")
     assert "ppo_mini_batch_size (300)" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="about a node without vLLM")
+@pytest.mark.parametrize("args, rank", [("actor_rollout_ref.model.lora_rank=8", 8),
+                                        ("actor_rollout_ref.model.lora.rank=16", 16),
+                                        ("actor_rollout_ref.model.lora.rank=16 actor_rollout_ref.model.lora.merge=true",
+                                         None)])
+def test_a_lora_run_is_checked_on_a_node_without_vllm_all_but_its_rank(launch_env, monkeypatch, args, rank):
+    """verl's validate_config checks a LoRA rank by importing vLLM and, without it, refuses every LoRA config:
+    `make check` on a laptop passes, says the rank went unchecked, and the config verl gets keeps the rank."""
+    monkeypatch.setenv("ARGS", args)
+    plan = pf.preflight("grpo", load(), deep=True)
+    unchecked = [note for note in plan.notes if note.startswith("LoRA rank")]
+    assert unchecked == ([f"LoRA rank {rank} not checked against vLLM's limits: vLLM is not importable here "
+                          "(grpo-head's preflight checks it where vLLM is installed, as in the image)"] if rank else [])
+    assert "verl's validate_config: passed" in plan.notes
+    model = plan.config.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora.rank) == ((8, 0) if rank == 8 else (0, 16))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="about a node without vLLM")
+def test_the_rest_of_a_lora_config_is_still_checked_by_verl_without_vllm(launch_env):
+    args = ("actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.actor.use_dynamic_bsz=false "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.actor.ppo_mini_batch_size=300")
+    line = assert_one_line_error(run_app("check", "grpo", env={**launch_env, "ARGS": args}))
+    assert line.startswith("error: verl's validate_config rejects the grpo config:") and "ppo_mini_batch_size (300)" in line
 
 
 def test_misspelt_key_in_args_fails_as_hydra_fails_in_verl(launch_env, monkeypatch):
