@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         from app.settings import load
 
         settings = load()  # the one read of the environment and .env for this command
-        settings.check(command)  # a bad value of a variable this command reads: one line, before anything
+        if command != "doctor":  # doctor lists a bad value as one red line among all its checks
+            settings.check(command)  # a bad value of a variable this command reads: one line, before anything
         module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(command, rest, settings) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if str(exc):  # empty: a child process printed the one line already
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common import ArgParser, UserError, atomic_path, say, warn
-from app.runs import LATEST_FILE, STEP_RE, default_run_dir, merged_model_dir, step_dir
+from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
+                      step_dir, steps_in)
 from app.settings import Settings
 
 SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)(.*)\.pt$")
@@ -58,12 +59,6 @@ def _has_shards(directory: Path) -> bool:
     return directory.is_dir() and any(SHARD_RE.match(p.name) for p in directory.iterdir())
 
 
-def _steps_in(run: Path) -> list[int]:
-    if not run.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in run.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name)))
-
-
 def _step_dir_layout(step_dir: Path) -> tuple[Path, str]:
     actor = step_dir / "actor"
     if actor.is_dir():
@@ -87,23 +82,8 @@ def locate(ckpt_dir: Path, step: str | None) -> Located:
     if _has_shards(ckpt_dir) or (ckpt_dir / "fsdp_config.json").exists():
         return Located(ckpt_dir, ckpt_dir.name, None, "dir")
 
-    steps = _steps_in(ckpt_dir)
-    present = ", ".join(map(str, steps))
-    spec = (step or "latest").strip()
-    if spec == "latest":
-        latest = ckpt_dir / LATEST_FILE
-        if latest.is_file() and latest.read_text().strip().isdigit():
-            number = int(latest.read_text().strip())
-        elif steps:
-            number = steps[-1]
-            warn(f"no readable {LATEST_FILE} in {ckpt_dir}: using the highest step present, {number}")
-        else:
-            raise UserError(f"no saved step in {ckpt_dir} (no global_step_N/ directory): check CKPT_DIR, and "
-                            "that training ran with a save frequency (trainer.save_freq > 0)")
-    elif spec.isdigit():
-        number = int(spec)
-    else:
-        raise UserError(f"STEP={spec!r} is not a step number: set STEP=latest or one of: {present or 'none'}")
+    present = ", ".join(map(str, steps_in(ckpt_dir)))
+    number = resolve_step(ckpt_dir, step)
     saved = step_dir(ckpt_dir, number)
     if not saved.is_dir():
         raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present or 'none'} "
@@ -647,25 +627,19 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
     if not nodes and not ckpt_dir.is_dir():
         raise UserError(f"no run directory {ckpt_dir} on this node and no NODES to pull from: set CKPT_DIR to "
                         "the run, and NODES=\"host1 host2\" to the nodes that hold its shards")
-    spec = (step or "latest").strip()
-    latest_here = ckpt_dir / LATEST_FILE
-    if spec == "latest" and latest_here.is_file():
-        spec = latest_here.read_text().strip()
-    elif spec == "latest":
+    spec = step if isinstance(step, int) else latest_step(ckpt_dir)
+    if spec is None:
         # Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it.
         numbers = []
         with tempfile.TemporaryDirectory() as tmp:
             for i, node in enumerate(nodes):
                 if LATEST_FILE in (_listing(node, "") or {}):
-                    _rsync([node.url(LATEST_FILE), f"{tmp}/{i}"], node, f"read {LATEST_FILE}")
-                    text = Path(f"{tmp}/{i}").read_text().strip()
-                    numbers += [int(text)] if text.isdigit() else []
+                    _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
+                    numbers += [n] if (n := latest_step(Path(f"{tmp}/{i}"))) is not None else []
         if not numbers:
             raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
                             "set STEP=N (the global_step_N to gather)")
-        spec = str(max(numbers))
-    if not spec.isdigit():
-        raise UserError(f"STEP={spec!r} is not a step number: set STEP=latest or a number")
+        spec = max(numbers)
     local_step = step_dir(ckpt_dir, spec)
     step_rel = local_step.name
     local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
@@ -727,18 +701,17 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
             _copy_with_progress(node, f"{step_rel}/{rel}", local_step / rel, size, bar)
     if not (ckpt_dir / LATEST_FILE).is_file():
         with atomic_path(ckpt_dir / LATEST_FILE) as tmp:
-            tmp.write_text(spec)
+            tmp.write_text(str(spec))
     shards = check_complete(local_step / prefix if prefix else local_step)
     say(f"all {shards.world_size} ranks of step {spec} are in {shards.directory}: next, make merge STEP={spec}")
     return shards.directory
 
 
 # --- CLI ------------------------------------------------------------------------------------------
-
 def _merge_main(argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), help="step number or latest (STEP)")
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
     parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
     parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
     parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
@@ -756,7 +729,7 @@ def _merge_main(argv: list[str], settings: Settings) -> int:
 def _gather_main(argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app gather", description=gather.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), help="step number or latest (STEP)")
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
     parser.add_argument("--nodes", default=settings["NODES"],
                         help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
     args = parser.parse_args(argv)

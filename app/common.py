@@ -180,6 +180,36 @@ def hydra_quoted(text: str) -> str:
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
 
 
+def stop_group(process, what: str = "", grace: float = 60.0) -> None:
+    """The one way the stack stops what it started: SIGTERM to the process group `process` leads (started with
+    start_new_session=True, so that its children go too: torchrun's ranks, vLLM's inspection child), SIGKILL
+    after `grace` seconds. `ray start --block` stops its own Ray processes on SIGTERM. Nothing where it is over."""
+    import signal
+    import time
+
+    if process is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        process.poll()  # reaps the leader (a zombie still counts as a member of its group)
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    if what:
+        warn(f"{what} did not stop within {grace:.0f}s: killing it")
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 def say(message: str) -> None:
     """Progress and results for the user (stdout, flushed so logs interleave correctly)."""
     print(message, flush=True)

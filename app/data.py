@@ -372,6 +372,99 @@ def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
     return check_table(_read_table(path), kind, str(path))
 
 
+# apply_chat_template arguments that change how verl tokenizes (its tokenize=True path) or that clash with the
+# count's own: where the user passes one, verl's filter decides
+_TOKENIZING_KWARGS = {"add_generation_prompt", "truncation", "max_length", "padding", "tokenizer_kwargs",
+                      "continue_final_message", "return_assistant_tokens_mask"}
+
+
+def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]:
+    """The rows verl's RLHFDataset keeps before its filter (data.train_max_samples / val_max_samples)."""
+    if not max_samples or max_samples <= 0 or max_samples >= len(lengths):
+        return lengths
+    if not shuffle:
+        return lengths[:max_samples]
+    import numpy as np  # verl's own selection (rl_dataset.py), so that the same rows are counted
+
+    rng = np.random.default_rng(*((seed,) if seed is not None else ()))
+    return [lengths[i] for i in rng.choice(len(lengths), size=max_samples, replace=False).tolist()]
+
+
+def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], warnings: list[str]) -> bool:
+    """Count the RL prompts' tokens with the tokenizer and chat template verl will use (app.spec's composed config).
+    verl 0.9.1 left-truncates a prompt longer than actor_rollout_ref.rollout.prompt_length
+    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path), so a prompt that would reach
+    the rollout that long is refused. Its filter drops rows over data.max_prompt_length: said, and refused where
+    less than a batch (or no val row) is left. Returns True where the filter is on, every prompt fits and neither
+    CONFIG nor ARGS set it: then it can be turned off (verl counts row by row at every start)."""
+    from omegaconf import OmegaConf
+
+    from app.spec import FILTER_KEY
+
+    sel, model = spec.get, spec.model_key
+    limit = sel("data.max_prompt_length")
+    cut_at = sel("actor_rollout_ref.rollout.prompt_length") or limit
+    filtering = bool(sel(FILTER_KEY))
+    template_kwargs = sel("data.apply_chat_template_kwargs")
+    kwargs = OmegaConf.to_container(template_kwargs) if template_kwargs is not None else {}
+    tokenizer_dir = Path(str(sel(f"{model}.tokenizer_path") or spec.model_path))
+    skip = ("data.tool_config_path" if sel("data.tool_config_path") else
+            "data.function_tool_path" if sel("data.function_tool_path") else
+            "data.custom_cls.path" if sel("data.custom_cls.path") else
+            "a multimodal processor" if (tokenizer_dir / "preprocessor_config.json").exists() else
+            "data.apply_chat_template_kwargs" if _TOKENIZING_KWARGS & set(kwargs) else None)
+    if skip:
+        notes.append(f"prompt lengths: not counted ({skip} changes how verl counts): verl's filter decides")
+        return False
+    from transformers import AutoTokenizer
+
+    key = sel("data.prompt_key") or "prompt"
+    counts: dict[str, list[int]] = {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
+        if sel(f"{model}.custom_chat_template"):
+            tokenizer.chat_template = sel(f"{model}.custom_chat_template")
+        for what, path in files:
+            counts.setdefault(what, []).extend(prompt_lengths(path, tokenizer, key, kwargs, failed=limit + 1))
+    except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
+        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}): "
+                        f"verl's filter ({FILTER_KEY}={filtering}) decides")
+        return False
+    shuffle, seed = bool(sel("data.shuffle")), sel("data.seed")
+    counts = {what: _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed) for what, lengths in counts.items()}
+    longest = max(max(lengths, default=0) for lengths in counts.values())
+    summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts.items())
+    kept = {what: [n for n in lengths if n <= limit] if filtering else lengths for what, lengths in counts.items()}
+    cut = ", ".join(f"{sum(n > cut_at for n in lengths)} of {len(lengths)} {what}" for what, lengths in kept.items()
+                    if any(n > cut_at for n in lengths))
+    if cut:
+        drop = "" if filtering else f" or ARGS='{FILTER_KEY}=True' to drop them"
+        raise UserError(f"{cut} prompts are longer than actor_rollout_ref.rollout.prompt_length={cut_at} (longest "
+                        f"{longest} tokens){'' if filtering else f' and {FILTER_KEY} is off'}: verl 0.9.1 would cut "
+                        f"off their beginnings; raise data.max_prompt_length (and rollout.prompt_length where set) "
+                        f"to {longest}{drop}")
+    batch, dropped = sel("data.train_batch_size"), {what: len(counts[what]) - len(kept[what]) for what in counts}
+    if len(kept["train"]) < batch or not kept.get("val", [1]):
+        what = "train" if len(kept["train"]) < batch else "val"
+        why = (f"verl's length filter would leave {len(kept[what])} {what} prompts (data.max_prompt_length={limit}, "
+               f"longest {longest} tokens)" if dropped[what] else f"{len(kept[what])} {what} prompts")
+        raise UserError(f"{why}{f', fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step would run' if what == 'train' else ''}; "
+                        + (f"raise data.max_prompt_length to {longest}" if dropped[what] else
+                           f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, len(kept[what]))}'"))
+    if not any(dropped.values()):
+        note = f"prompt lengths: longest {longest} tokens of {summary} prompts, within data.max_prompt_length={limit}"
+        user = {o.lstrip("+").split("=", 1)[0] for o in spec.args} | set(spec.settings.config or {})
+        if filtering and FILTER_KEY not in user:
+            notes.append(f"{note}: verl's length filter at every start skipped ({FILTER_KEY}=False)")
+            return True
+        notes.append(note)
+        return False
+    gone = ", ".join(f"{n} of {len(counts[what])} {what}" for what, n in dropped.items() if n)
+    warnings.append(f"{gone} prompts are longer than data.max_prompt_length={limit} (longest {longest} tokens): "
+                    f"verl's filter drops them at start; raise data.max_prompt_length to keep them")
+    return False
+
+
 def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", template_kwargs: dict | None = None,
                    chunk: int = 4096, failed: int | None = None) -> list[int]:
     """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the

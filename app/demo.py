@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from app import perf, runs
+from app import node, runs, timeline
 from app.common import UserError, atomic_path, say
 from app.settings import Settings
 from app.smoke import Stage, child_env, gpu_count, read_losses, run_stage, stage_failed
@@ -206,7 +206,7 @@ def _finished(marker: Path, record: dict) -> bool:
 def gpu_shared() -> tuple[bool, str]:
     """Whether two processes can use this node's GPUs at once, and why not: a GPU in exclusive compute mode
     (some clusters set it) refuses a second CUDA context. Where nvidia-smi cannot tell, the answer is no."""
-    modes = perf.query_gpus("compute_mode")
+    modes = [row["compute_mode"] for row in node.gpus(None).rows if row["compute_mode"] != "?"]
     if not modes:
         return False, "nvidia-smi (missing or failing here) did not give the GPU's compute mode"
     other = sorted({m for m in modes if m != "Default"})
@@ -313,7 +313,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"  then check: GRPO reward mean rises; A1 > A0 by more than {Z:g} standard errors on the "
             f">= {MIN_TEST_ITEMS} test items")
         return 0
-    if gpu_count() == 0:
+    if gpu_count(settings) == 0:
         raise UserError("demo needs a GPU: no CUDA device is visible here; run `make demo` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")
 
@@ -406,10 +406,14 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over earlier demo runs too
         "wall_seconds": wall, "skipped": skipped, "resumed": resumed,  # this run's, and what it went on from
         "report": str(root / "grpo" / "report"),
+        "grpo_startup": dict(timeline.read(root / "grpo" / "logs" / "timeline-head.jsonl")),
     }
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
+    startup = root / "grpo" / "logs" / "timeline-head.jsonl"
+    if startup.is_file():  # where GRPO's first minutes went (app.timeline; the stage's own output printed it too)
+        say(timeline.summary(startup).replace("start-up on this node", "GRPO's start-up"))
     earlier = []
     if skipped:
         earlier.append(f"{', '.join(skipped)} done by an earlier run")

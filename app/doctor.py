@@ -9,25 +9,22 @@ Settings: the same as sft/grpo (JOB=sft|grpo limits the data check to one job).
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
 import json
 import os
 import resource
 import shutil
 import socket
 import struct
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from app import node
 from app.common import UserError
-from app.runs import model_dir_problems
+from app.runs import read_model
 from app.settings import REGISTRY, Settings
 
 GiB = 2**30
 MIN_DRIVER = 580  # the image's CUDA 13.0 needs an R580+ driver
-SIOCGIFADDR = 0x8915  # ioctl: the IPv4 address of an interface (linux/sockios.h)
 
 
 @dataclass
@@ -38,110 +35,30 @@ class Check:
     fix: str = ""
 
 
-# --- network helpers (launch may call these too) --------------------------------------------------
-
-def interface_addresses() -> dict[str, list[str]]:
-    """interface name -> its addresses (IPv4 through ioctl, IPv6 from /proc/net/if_inet6).
-
-    The GPU image has no `ip` command: ask the kernel directly.
-    """
-    out: dict[str, list[str]] = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-                out.setdefault(name, []).append(socket.inet_ntoa(raw[20:24]))
-            except OSError:  # no IPv4 address on this interface
-                out.setdefault(name, [])
-    try:
-        for line in Path("/proc/net/if_inet6").read_text().splitlines():
-            fields = line.split()
-            if len(fields) >= 6:
-                out.setdefault(fields[5], []).append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
-    except OSError:
-        pass
-    return out
-
-
-def route_interface(host: str) -> tuple[str, str | None]:
-    """(source address, interface) this node uses to reach `host`: what NCCL/Gloo should bind to.
-
-    A UDP connect() sends nothing; it only makes the kernel choose the route and the source address.
-    Raises OSError (unresolvable host, no route).
-    """
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, proto=socket.IPPROTO_UDP)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)
-        source = sock.getsockname()[0]
-    source_ip = ipaddress.ip_address(source.split("%")[0])
-    for name, addresses in interface_addresses().items():
-        if any(ipaddress.ip_address(a) == source_ip for a in addresses):
-            return source, name
-    return source, None
-
-
-def ifname_matches(spec: str, name: str, nccl: bool = True) -> bool:
-    """Whether NCCL_SOCKET_IFNAME's syntax (prefixes, `=exact`, `^exclude`, comma lists) selects `name`;
-    nccl=False: GLOO_SOCKET_IFNAME's (exact names, comma list)."""
-    if not nccl:
-        return name in [part.strip() for part in spec.split(",")]
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
-    hit = any((name == part) if exact else name.startswith(part) for part in spec.split(",") if part)
-    return hit != exclude
-
-
-def is_local_address(host: str) -> bool:
-    try:
-        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    if any(a.is_loopback for a in addresses):
-        return True
-    mine = {ipaddress.ip_address(a) for values in interface_addresses().values() for a in values}
-    return bool(addresses & mine)
-
-
 # --- checks ---------------------------------------------------------------------------------------
 
 def check_gpus(settings: Settings) -> list[Check]:
     want = settings["GPUS_PER_NODE"]
-    smi = shutil.which("nvidia-smi")
-    if not smi and not Path("/proc/driver/nvidia").exists():
-        status = "fail" if want else "warn"
-        return [Check("GPUs", status, "no GPU on this node (no nvidia-smi, no NVIDIA driver loaded)",
+    gpus = node.gpus(settings["CUDA_VISIBLE_DEVICES"])  # honours CUDA_VISIBLE_DEVICES, as launch does
+    if gpus.present == 0:
+        return [Check("GPUs", "fail" if want else "warn", f"no GPU on this node ({gpus.source})",
                       "fine for prep, merge, report and a small eval on CPU; for sft/grpo use a GPU node with "
                       "the NVIDIA driver and nvidia-container-toolkit, and start the container with GPUs "
                       "(compose `gpus: all`)")]
-    if not smi:
-        return [Check("GPUs", "fail", "the NVIDIA driver is loaded but nvidia-smi is missing",
-                      "start the container with GPUs (compose `gpus: all`, nvidia-container-toolkit installed)")]
-    try:
-        result = subprocess.run([smi, "--query-gpu=index,name,memory.total,driver_version",
-                                 "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return [Check("GPUs", "fail", f"nvidia-smi did not answer ({exc})",
-                      "the driver is stuck or a GPU fell off the bus: check `dmesg`, reset or reboot the node")]
-    if result.returncode != 0:
-        first = (result.stdout + result.stderr).strip().splitlines()[:1]
-        return [Check("GPUs", "fail", f"nvidia-smi failed: {first[0] if first else result.returncode}",
-                      "driver/library mismatch or no device: reboot after a driver update, or reinstall the driver")]
-    rows = [[f.strip() for f in line.split(",")] for line in result.stdout.strip().splitlines() if line.strip()]
-    from app.preflight import count_gpus
-
-    seen, source = count_gpus(settings["CUDA_VISIBLE_DEVICES"])  # honours CUDA_VISIBLE_DEVICES, as launch does
-    names = sorted({r[1] for r in rows})
-    memory = min(int(float(r[2])) for r in rows) if rows else 0
-    driver = rows[0][3] if rows else "?"
-    checks = [Check("GPUs", "ok", f"{seen} visible of {len(rows)}: {', '.join(names)}, {memory // 1024} GiB each")]
-    if want and seen is not None and seen < want:
-        checks[0] = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {seen} GPU(s) visible ({source})",
-                          f"set GPUS_PER_NODE={seen}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
-    elif seen == 0:
-        checks[0] = Check("GPUs", "fail", f"{len(rows)} GPU(s) present but none visible ({source})",
+    if not shutil.which("nvidia-smi"):
+        return [Check("GPUs", "fail", "the NVIDIA driver is loaded but nvidia-smi is missing or failing",
+                      "start the container with GPUs (compose `gpus: all`, nvidia-container-toolkit installed); "
+                      "after a driver update, reboot")]
+    names = sorted({row["name"] for row in gpus.rows})
+    memory = (gpus.memory_bytes or 0) // GiB
+    checks = [Check("GPUs", "ok", f"{gpus.count} visible of {gpus.present}: {', '.join(names)}, {memory} GiB each")]
+    if want and gpus.count < want:
+        checks[0] = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {gpus.count} GPU(s) visible ({gpus.source})",
+                          f"set GPUS_PER_NODE={gpus.count}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
+    elif gpus.count == 0:
+        checks[0] = Check("GPUs", "fail", f"{gpus.present} GPU(s) present but none visible ({gpus.source})",
                           "unset CUDA_VISIBLE_DEVICES or list the GPUs to use")
+    driver = gpus.rows[0]["driver_version"] if gpus.rows else "?"
     try:
         major = int(driver.split(".")[0])
     except ValueError:
@@ -203,7 +120,7 @@ def check_network(settings: Settings) -> list[Check]:
                       "which interface NCCL and Gloo should use",
                       "set HEAD_IP=<the head node's address>, the same on every node (one node alone needs none)")]
     try:
-        source, name = route_interface(target)
+        source, name = node.route_interface(target)
     except OSError as exc:
         return [Check("network", "fail", f"no route to {what}={target} ({exc.strerror or exc})",
                       f"check {what} (an address every node can reach) and this node's network")]
@@ -212,7 +129,7 @@ def check_network(settings: Settings) -> list[Check]:
         checks.append(Check("interface", "warn", f"route to {target} leaves from {source}, on no interface found",
                             "set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface holding " + source))
         return checks
-    local = is_local_address(target)
+    local = node.is_local_address(target)
     if name == "lo" and nnodes != 1:
         checks.append(Check("interface", "fail", f"{what}={target} is this node's loopback: other nodes "
                             "cannot reach it", f"set {what} to this node's address on the cluster network"))
@@ -226,7 +143,7 @@ def check_network(settings: Settings) -> list[Check]:
         if value is None:
             checks.append(Check(var, "warn", f"not set: {var.split('_')[0]} may pick another interface "
                                 "(docker0, a second NIC) and hang", f"export {var}={name} (in .env on every node)"))
-        elif not ifname_matches(value, name, nccl=var.startswith("NCCL")):
+        elif not node.ifname_matches(value, name, nccl=var.startswith("NCCL")):
             checks.append(Check(var, "fail", f"{var}={value} does not select {name}, the interface that "
                                 f"reaches {target}", f"set {var}={name}"))
         else:
@@ -244,7 +161,7 @@ def check_head(settings: Settings) -> Check | None:
             return Check("Ray head", "ok", f"{head}:{port} answers")
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-    if is_local_address(head):
+    if node.is_local_address(head):
         return Check("Ray head", "ok", f"nothing on {head}:{port} yet: this node is the head "
                      "(normal before `make grpo-head`)")
     return Check("Ray head", "fail", f"{head}:{port} does not answer ({reason})",
@@ -313,7 +230,7 @@ def check_disk(run: Path, model: Path | None) -> Check:
         return Check("disk", "fail", f"{where} is not writable: checkpoints and logs of {run} cannot be saved",
                      "fix the mount/permissions, or set CKPT_DIR to a writable path (the same on every node)")
     free = shutil.disk_usage(where).free
-    params = model_parameters(model) if model and not model_dir_problems(model) else None
+    params = model_parameters(model) if model and not read_model(model).problems else None
     if params:
         # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
         one = params * 12
@@ -338,7 +255,7 @@ def check_model(model: Path | None) -> Check:
     if not model.is_dir():
         return Check("MODEL_PATH", "fail", f"{model} does not exist on this node",
                      "copy the model there (the same absolute path on every node) or fix MODEL_PATH")
-    problems = model_dir_problems(model)
+    problems = read_model(model).problems
     if problems:
         return Check("MODEL_PATH", "fail", f"{model} has {', '.join(problems)}",
                      "point MODEL_PATH at a complete Hugging Face model directory (config, weights, tokenizer)")
@@ -352,14 +269,14 @@ def check_model(model: Path | None) -> Check:
 
 
 def check_data(jobs: list[str], settings: Settings) -> tuple[list[Check], Path, Path | None]:
-    from app.preflight import read_launch
+    from app import spec as specs
 
     checks, run, model = [], Path.cwd() / "checkpoints", None
     seen: set[Path] = set()
     for job in jobs:
-        s = read_launch(job, settings)
-        run, model = s.run_dir, s.model_path
-        for what, path in (("train", s.train_file), ("val", s.val_file)):
+        spec = specs.read(job, settings)
+        run, model = spec.run_dir, spec.model_path
+        for what, path in [("train", p) for p in spec.files("train")] + [("val", p) for p in spec.files("val")]:
             if path in seen:
                 continue
             seen.add(path)
@@ -368,9 +285,9 @@ def check_data(jobs: list[str], settings: Settings) -> tuple[list[Check], Path, 
             else:
                 checks.append(Check(f"{job} {what} data", "fail", f"{path} does not exist on this node",
                                     "run `make prep` (same DATA_DIR on every node) or set TRAIN_FILE/VAL_FILE"))
-        for name in s.relative:
-            checks.append(Check("paths", "warn", f"{name} is relative: it resolves differently per directory",
-                                "use absolute paths, identical on every node"))
+    for name in specs.relative_paths(settings):
+        checks.append(Check("paths", "warn", f"{name} is relative: it resolves differently per directory",
+                            "use absolute paths, identical on every node"))
     return checks, run, model
 
 
@@ -414,8 +331,11 @@ def check_packages(gpu: bool) -> list[Check]:
 NODE_SETTINGS = [var.name for var in REGISTRY if var.example is not None]
 
 
-def check_settings(settings: Settings) -> Check:
-    """Where this node's settings come from, and which of .env.example's are unset (their defaults apply)."""
+def check_settings(settings: Settings) -> list[Check]:
+    """Where this node's settings come from, which of .env.example's are unset (their defaults apply), and a red
+    line for each that cannot be read (doctor lists them all, where a command refuses the first)."""
+    bad = [Check("settings", "fail", *value.error.split(": ", 1)) if ": " in value.error else
+           Check("settings", "fail", value.error) for value in settings.values.values() if value.error]
     sources = [settings.source(name) for name in NODE_SETTINGS]
     unset = [name for name in NODE_SETTINGS if not settings.is_set(name)]
     where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
@@ -429,31 +349,31 @@ def check_settings(settings: Settings) -> Check:
         problems.append(f"in .env but read by make only: {', '.join(settings.ignored)}")
         fixes.append("set those on the make command line or in the shell (`make settings` shows all)")
     if problems:
-        return Check("settings", "warn", "; ".join([detail, *problems]), "; ".join(fixes))
-    return Check("settings", "ok", detail)
+        return [Check("settings", "warn", "; ".join([detail, *problems]), "; ".join(fixes)), *bad]
+    return [Check("settings", "ok", detail), *bad]
 
 
 def run_checks(settings: Settings) -> list[Check]:
-    job = settings["JOB"]  # sft or grpo: app/settings.py refused anything else
-    checks = guarded("GPUs", lambda: check_gpus(settings))
-    gpu = checks[0].status == "ok"
-    checks.insert(0, check_settings(settings))
-    checks += guarded("/dev/shm", check_shm) + guarded("memlock", check_memlock)
+    checks = check_settings(settings)
+    gpus = guarded("GPUs", lambda: check_gpus(settings))
+    checks += gpus + guarded("/dev/shm", check_shm) + guarded("memlock", check_memlock)
     checks += guarded("node rank", lambda: check_node_rank(settings))
     checks += guarded("network", lambda: check_network(settings))
     checks += guarded("Ray head", lambda: check_head(settings))
-    found = guarded("settings", lambda: check_data([job] if job else ["sft", "grpo"], settings))
+    found = None if any(c.status == "fail" for c in checks if c.name == "settings") else \
+        guarded("settings", lambda: check_data([settings["JOB"]] if settings["JOB"] else ["sft", "grpo"], settings))
     if isinstance(found, tuple):
         data, run, model = found
         checks += guarded("MODEL_PATH", lambda: check_model(model))
     else:  # the settings could not be read (e.g. CONFIG): "MODEL_PATH not set" would be a second, wrong line
-        data, run, model = found, Path.cwd() / "checkpoints", None
-        checks.append(Check("MODEL_PATH", "warn", "not checked: the settings could not be read (below)",
+        data, run, model = found or [], Path.cwd() / "checkpoints", None
+        checks.append(Check("MODEL_PATH", "warn", "not checked: the settings could not be read (see settings)",
                             "fix the settings line, then run make doctor again"))
     checks += data
     checks += guarded("disk", lambda: check_disk(run, model))
-    checks += guarded("packages", lambda: check_packages(gpu))
-    return checks
+    checks += guarded("packages", lambda: check_packages(gpus[0].status == "ok"))
+    said = {c.detail for c in checks if c.name == "settings"}  # a bad value that another check also tripped on
+    return [c for c in checks if c.name == "settings" or c.detail not in said]
 
 
 def guarded(name: str, check):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from app.common import ArgParser, UserError, atomic_path, directory_problem, say, warn
-from app.runs import merged_model_for_step, model_dir_problems
+from app.runs import merged_model_for_step, read_model, step_arg
 from app.settings import Settings
 
 BACKENDS = ("auto", "vllm", "hf", "reference")
@@ -42,8 +42,8 @@ def gsm8k_scorer():
 # --- which model, which rows ----------------------------------------------------------------------
 
 def check_model_dir(model: Path) -> None:
-    problems = model_dir_problems(model)
-    if problems == ["not a directory"]:
+    problems = read_model(model).problems
+    if problems == ("not a directory",):
         raise UserError(f"model {model} does not exist: pass MODEL=<Hugging Face model directory> or "
                         "STEP=<merged step>")
     if problems:
@@ -164,7 +164,7 @@ def pick_backend(requested: str, gpus: int) -> str:
 
 def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str, batch: int | None,
              max_new: int, *, gpus: int = 0, tp: int = 1) -> dict:
-    """`gpus`: the GPUs visible here (preflight.count_gpus); `tp`: vLLM's tensor parallel size (EVAL_TP)."""
+    """`gpus`: the GPUs visible here (app.node); `tp`: vLLM's tensor parallel size (EVAL_TP)."""
     check_model_dir(model)
     scorer = gsm8k_scorer()
     rows = load_rows(data, limit)
@@ -208,7 +208,7 @@ def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str
 def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app eval", description=__doc__)
     parser.add_argument("--model", default=settings["MODEL"], help="Hugging Face model directory (MODEL)")
-    parser.add_argument("--step", default=settings["STEP"], help="merged step, when no MODEL (STEP)")
+    parser.add_argument("--step", default=settings["STEP"], type=step_arg, help="merged step, when no MODEL (STEP)")
     parser.add_argument("--data", default=settings["EVAL_FILE"],
                         help="RL parquet (EVAL_FILE; default DATA_DIR/gsm8k/test.parquet)")
     parser.add_argument("--limit", type=int, default=settings["LIMIT"] or None, help="first N rows (LIMIT)")
@@ -232,10 +232,10 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     problem = directory_problem(out)
     if problem:  # before the model loads and generates for minutes
         raise UserError(f"the eval output {out} {problem}: set OUT to a directory you can write")
-    from app.preflight import count_gpus
+    from app.node import gpus
 
     summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,
-                       args.max_new_tokens, gpus=count_gpus(settings["CUDA_VISIBLE_DEVICES"])[0] or 0,
+                       args.max_new_tokens, gpus=gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0,
                        tp=settings["EVAL_TP"])
     task = "GSM8K" if data.parent.name == "gsm8k" else data.parent.name  # prep writes <task>/test.parquet
     say(f"{task} accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "

@@ -1,108 +1,141 @@
 """Launch on this node: `sft` (torchrun), `grpo-head` (Ray head + wait + verl driver), `grpo-worker`.
 
-Every launch runs preflight first (app.preflight), then either prints the plan (DRY_RUN=1) or runs it.
-The commands are verl's and Ray's own CLIs, started with this interpreter (sys.executable), so the same
-code works in the image, in .venv, and with `PYTHON=python3 PYTHONPATH=...` on a bare GPU box.
+Every launch runs preflight first (app.preflight), holds its node's lock of the run directory (app.runs), and
+then prints the plan (DRY_RUN=1) or runs it. The commands are verl's, torchrun's and Ray's own CLIs, started with
+this interpreter (sys.executable), so the same code works in the image, in .venv, and with `PYTHON=python3
+PYTHONPATH=...` on a bare GPU box. Before the first step the nodes compare what they run: at torchrun's rendezvous
+(app.rendezvous) for SFT; as each Ray node joins the head, for GRPO.
 
-Test hooks (documented, used by the CPU tests only): SFT_TRAINER_MODULE and GRPO_TRAINER_MODULE replace
-verl's entry modules with tiny stand-ins; RAY_START_ARGS adds flags to `ray start` (tests declare
-`--num-gpus 1` on a CPU machine; users may add e.g. `--num-cpus 32`).
+Test hooks (documented, used by the CPU tests only): SFT_TRAINER_MODULE and GRPO_TRAINER_MODULE replace verl's
+entry modules with tiny stand-ins; RAY_START_ARGS adds flags to `ray start` (tests declare `--num-gpus 1`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import shlex
-import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-from app import composition, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, raise_terminated, say, warn
-from app.preflight import (Launch, Preflight, preflight, read_launch, refuse_stale_environment,
-                           refuse_unusable_run_dir, refuse_without_gpus, report)
-from app.runs import latest_step, logs_dir, swanlog_dir, token_file
+from app import node, spec as specs, warmup
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, say, stop_group, warn
+from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report
+from app.rendezvous import SAID, mismatch
+from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
+from app.timeline import Timeline, started_at
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
+class Said(UserError):
+    """A failure whose one line a child process has printed already: exit non-zero, print nothing more."""
+
+
 # --- pieces shared by the targets --------------------------------------------------------------------
-def shown_env(settings: Settings, extra: dict[str, str]) -> dict[str, str]:
-    """The environment a plan prints: what we set plus the pass-through variables present here."""
-    # empty values are Make's exported-but-unset variables: noise, not settings
-    shown = {k: v for k, v in settings.environ().items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
-    shown.update(extra)
-    return dict(sorted(shown.items()))
-
-
 def masked(name: str, value: str) -> str:
     return "***" if any(marker in name for marker in SECRET_MARKERS) and not name.endswith("_PATH") else value
 
 
 def print_plan(settings: Settings, title: str, extra_env: dict[str, str], steps: list[tuple[str, list[str]]]) -> None:
-    """DRY_RUN output: the environment and the exact commands, copy-pasteable."""
+    """DRY_RUN output: the environment (what we set plus the pass-through variables here) and the exact commands."""
     say(f"plan for {title} (DRY_RUN=1: nothing is started)")
     say("environment:")
-    for name, value in shown_env(settings, extra_env).items():
+    shown = {k: v for k, v in settings.environ().items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
+    for name, value in sorted({**shown, **extra_env}.items()):
         say(f"  export {name}={shlex.quote(masked(name, value))}")
     for what, command in steps:
         say(f"{what}:")
         say(f"  {shlex.join(command)}")
 
 
-def prepare_run_dir(plan: Preflight, fresh: bool, dry: bool) -> None:
-    """FRESH=1 moves the old run aside (never deletes it); otherwise say whether verl will resume."""
-    run = plan.launch.run_dir
-    resume_mode = plan.config.trainer.get("resume_mode", "auto")
-    if fresh and run.exists() and any(run.iterdir()):
-        aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        if dry:
-            say(f"FRESH=1: would move {run} aside to {aside}")
-            return
-        os.replace(run, aside)
-        say(f"FRESH=1: moved the previous run aside to {aside}; starting over in {run}")
-        return
-    step = latest_step(run)
-    if step is not None and resume_mode == "auto":
-        say(f"resuming from global_step_{step} in {run} (FRESH=1 starts over, keeping this run aside)")
-    elif step is not None:
-        say(f"{run} holds global_step_{step}, but trainer.resume_mode={resume_mode}")
-    else:
-        say(f"starting a new run in {run}")
-
-
-def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str]) -> int:
-    """Run a long foreground process with our environment (its own output is the progress). If we are
-    interrupted (Ctrl-C, SIGTERM), it gets SIGTERM and time to stop its own children first."""
-    say(f"$ {shlex.join(command)}")
-    process = subprocess.Popen(command, env=settings.environ(extra_env))
+@contextlib.contextmanager
+def run_dir_held(plan: Preflight, node_name: str, command: str, dry: bool):
+    """This node's lock of the run directory while the launch runs; FRESH=1 moves the old run aside first (never
+    deletes it), refused while any node of it is live; otherwise say whether verl will resume. Yields this launch's
+    timeline of the run (None on a dry run), its preflight stamped."""
+    spec = plan.spec
+    run, settings = spec.run_dir, spec.settings
+    lock = None
+    fresh = settings["FRESH"] and run.exists() and any(p.name != ".locks" for p in run.iterdir())
+    live = list(live_locks(run).values()) if fresh else []
+    if live:
+        raise UserError(f"FRESH=1 would move a live run aside: {run} is in use by {live[0]}: stop it first, or set "
+                        "CKPT_DIR to a new run directory")
+    if not dry:  # a dry run starts nothing: it neither needs write access nor holds the run
+        refuse_unusable_run_dir(run)
+        lock = RunLock(run, node_name, command)
+        lock.acquire()
     try:
-        return process.wait()
+        report(plan)  # preflight's notes and warnings, once nothing refuses the launch any more
+        if fresh:
+            aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            if dry:
+                say(f"FRESH=1: would move {run} aside to {aside}")
+            else:
+                lock.release()
+                os.replace(run, aside)
+                lock = RunLock(run, node_name, command)
+                lock.acquire()
+                say(f"FRESH=1: moved the previous run aside to {aside}; starting over in {run}")
+        elif (step := latest_step(run)) is not None:
+            mode = spec.get("trainer.resume_mode", "auto")
+            say(f"resuming from global_step_{step} in {run} (FRESH=1 starts over, keeping this run aside)"
+                if mode == "auto" else f"{run} holds global_step_{step}, but trainer.resume_mode={mode}")
+        else:
+            say(f"starting a new run in {run}")
+        timeline = None
+        if not dry:
+            timeline = Timeline(logs_dir(run) / f"timeline-{node_name}.jsonl", plan.started)
+            timeline.stamp("preflight done")
+        yield timeline
     finally:
-        stop_process(process, what)
+        if lock is not None:
+            lock.release()
 
 
-def preflight_and_report(job: str, settings: Settings, dry: bool) -> Preflight:
-    # verl's validate_config also on a dry run: DRY_RUN=1 refuses what `make check` refuses
-    plan = preflight(job, settings, deep=job == "grpo", gpus=not dry)
-    # a dry run writes into the run directory too (tracking's directories, removed again): both need write access
-    refuse_unusable_run_dir(plan.launch.run_dir)
-    report(plan)
-    return plan
+def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str],
+                timeline: Timeline | None = None) -> int:
+    """Run a long foreground process with our environment, in a process group of its own (its output is the
+    progress, copied through line by line for the timeline to read). Interrupted (Ctrl-C, SIGTERM), it and its
+    children get SIGTERM and time to stop."""
+    say(f"$ {shlex.join(command)}")
+    pipe = subprocess.PIPE if timeline else None
+    process = subprocess.Popen(command, env=settings.environ({**extra_env, "PYTHONUNBUFFERED": "1"}), stdout=pipe,
+                               stderr=pipe, text=True, errors="replace", start_new_session=True)
+    copies = [threading.Thread(target=_copy, args=(source, sink, timeline), daemon=True)
+              for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)) if source]
+    for copy in copies:
+        copy.start()
+    try:
+        code = process.wait()
+        for copy in copies:
+            copy.join(timeout=10)
+        return code
+    finally:
+        stop_group(process, what)
+
+
+def _copy(source, sink, timeline: Timeline) -> None:
+    for line in source:
+        sink.write(line)
+        sink.flush()
+        timeline.watch(line)
 
 
 def tracking(run: Path, settings: Settings, dry: bool) -> dict[str, str]:
     """app.tracking's environment for `run`; on a dry run, without leaving the directories it creates."""
     from app.tracking import tracking_env
 
-    if not dry:
-        return tracking_env(run, settings["SWANLAB_MODE"])
-    fresh = [d for d in (logs_dir(run), swanlog_dir(run), run) if not d.exists()]
+    fresh = [d for d in (logs_dir(run), swanlog_dir(run), run) if not d.exists()] if dry else []
     try:
         return tracking_env(run, settings["SWANLAB_MODE"])
     finally:
@@ -113,45 +146,65 @@ def tracking(run: Path, settings: Settings, dry: bool) -> dict[str, str]:
 
 def hydra_args(job: str, overrides: list[str]) -> list[str]:
     """The arguments that make verl's entry point compose exactly the config preflight checked."""
-    return ["--config-dir", str(composition.CONFIG_DIR), "--config-name", job, *overrides]
+    return ["--config-dir", str(specs.CONFIG_DIR), "--config-name", job, *overrides]
+
+
+def write_fingerprint(plan: Preflight, node_name: str) -> Path:
+    """This node's fingerprint of the run, for the other nodes to compare: <run>/logs/run-<node>.json."""
+    path = logs_dir(plan.spec.run_dir) / f"run-{node_name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(plan.spec.fingerprint(), indent=1, sort_keys=True))
+    return path
 
 
 # --- SFT ---------------------------------------------------------------------------------------------
-def sft_command(plan: Preflight, settings: Settings) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`) for this node: standalone on one node, a static
-    rendezvous at MASTER_ADDR:MASTER_PORT across nodes; the same line everywhere but --node-rank."""
-    s = plan.launch
-    module = settings["SFT_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny CPU stand-in
-    # --log-dir: torchrun's per-attempt files (its error.json of a failed rank) stay with the run, not in a
-    # fresh /tmp/torchelastic_* for every launch
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(s.nnodes),
-               "--nproc-per-node", str(s.gpus_per_node), "--log-dir", str(logs_dir(s.run_dir) / "torchrun")]
-    if s.multi_node:
-        command += ["--node-rank", str(s.node_rank), "--master-addr", str(s.master_addr),
-                    "--master-port", str(s.master_port)]
+def sft_command(plan: Preflight) -> list[str]:
+    """torchrun (its own CLI, through app.rendezvous) for this node: standalone on one node, a static rendezvous
+    at MASTER_ADDR:MASTER_PORT across nodes; the same line everywhere but --node-rank."""
+    spec, settings = plan.spec, plan.spec.settings
+    # --log-dir: torchrun's per-attempt files stay with the run, not in a fresh /tmp/torchelastic_* per launch
+    command = [sys.executable, "-m", "app.rendezvous", "torchrun", "--nnodes", str(spec.nnodes), "--nproc-per-node",
+               str(spec.gpus_per_node), "--log-dir", str(logs_dir(spec.run_dir) / "torchrun")]
+    if spec.multi_node:
+        command += ["--node-rank", str(spec.node_rank), "--master-addr", str(settings["MASTER_ADDR"]),
+                    "--master-port", str(settings["MASTER_PORT"])]
     else:
         command += ["--standalone"]
-    return command + ["-m", module, *hydra_args("sft", plan.hydra_overrides())]
+    # the rank entry compares the nodes, then runs verl's trainer (a test hook swaps in a tiny CPU stand-in)
+    return command + ["-m", "app.rendezvous", "rank", settings["SFT_TRAINER_MODULE"], *hydra_args("sft", spec.overrides)]
 
 
 def launch_sft(settings: Settings) -> int:
     dry = settings["DRY_RUN"]
-    plan = preflight_and_report("sft", settings, dry)
-    s = plan.launch
-    command = sft_command(plan, settings)
-    prepare_run_dir(plan, settings["FRESH"], dry)  # FRESH first: the tracking directories belong to the new run
-    extra = tracking(s.run_dir, settings, dry)
-    if dry:
-        print_plan(settings, f"sft on node {s.node_rank} of {s.nnodes}", extra, [("train", command)])
-        return 0
-    if s.multi_node:
-        say(f"node {s.node_rank} of {s.nnodes}: waiting at {s.master_addr}:{s.master_port} for the others "
-            "(run the same command with their NODE_RANK); this node's shards go to " + str(s.run_dir))
-    rc = run_process(settings, "sft", command, extra)
+    plan = preflight("sft", settings, gpus=not dry)
+    spec = plan.spec
+    if spec.multi_node and spec.node_rank == 0 and not dry:
+        holder = node.port_holder(settings["MASTER_PORT"])
+        if holder:
+            raise UserError(f"MASTER_PORT {settings['MASTER_PORT']} is already in use on this node by {holder}: set "
+                            "MASTER_PORT to a free port, the same on every node")
+    command = sft_command(plan)
+    name = f"node{spec.node_rank}"
+    with run_dir_held(plan, name, "make sft", dry) as timeline:  # FRESH first: tracking belongs to the new run
+        extra = tracking(spec.run_dir, settings, dry)
+        if dry:
+            print_plan(settings, f"sft on node {spec.node_rank} of {spec.nnodes}", extra, [("train", command)])
+            return 0
+        # the rank entry stamps the nodes' meeting there
+        extra.update(STACK_TIMELINE=str(timeline.path), STACK_STARTED=str(timeline.started))
+        if spec.multi_node:
+            extra["STACK_RUN"] = str(write_fingerprint(plan, name))
+            say(f"node {spec.node_rank} of {spec.nnodes}: waiting at {settings['MASTER_ADDR']}:{settings['MASTER_PORT']} "
+                f"for the others (run the same command with their NODE_RANK); this node's shards go to {spec.run_dir}")
+        timeline.stamp("torchrun started")
+        rc = run_process(settings, "sft", command, extra, timeline)
+    if rc == SAID:
+        raise Said("")
     if rc != 0:
         raise UserError(f"the SFT trainer exited with code {rc} (its output is above): fix the cause and rerun "
                         "the same command; it resumes from the latest checkpoint")
-    say(f"SFT finished: checkpoints in {s.run_dir} (next: make merge)")
+    say(f"SFT finished: checkpoints in {spec.run_dir} (next: make merge)")
     return 0
 
 
@@ -163,11 +216,8 @@ def token_path(run: Path, settings: Settings) -> Path:
 
 
 def ray_auth_env(run: Path, settings: Settings, *, create: bool) -> dict[str, str]:
-    """Ray's token authentication settings (RAY_AUTH_MODE=token + RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH).
-
-    A RAY_AUTH_TOKEN from `.env` wins; else the head generates one into token_path() and workers read
-    that file. The token is never written into the image or the repository.
-    """
+    """Ray's token authentication (RAY_AUTH_MODE=token + RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH): a RAY_AUTH_TOKEN
+    from `.env` wins; else the head generates one into token_path() and workers read that file."""
     if settings["RAY_AUTH_TOKEN"]:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": settings["RAY_AUTH_TOKEN"]}
     path = token_path(run, settings)
@@ -183,66 +233,45 @@ def ray_auth_env(run: Path, settings: Settings, *, create: bool) -> dict[str, st
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
 
 
-def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def ray_cli() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def head_command(s: Launch, settings: Settings) -> list[str]:
+def head_command(spec: specs.Spec) -> list[str]:
     """`ray start --head --block`: blocking, so stopping it stops exactly the Ray processes it started.
     The dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
-    return [*ray_cli(), "start", "--head", "--block", "--node-ip-address", s.head_ip or "127.0.0.1",
-            "--port", str(s.ray_port), "--dashboard-host", settings["DASHBOARD_HOST"],
+    settings = spec.settings
+    return [*ray_cli(), "start", "--head", "--block", "--node-ip-address", settings["HEAD_IP"] or "127.0.0.1",
+            "--port", str(settings["RAY_PORT"]), "--dashboard-host", settings["DASHBOARD_HOST"],
             "--disable-usage-stats", *settings.get("RAY_START_ARGS", ())]
 
 
-def worker_command(s: Launch, settings: Settings) -> list[str]:
-    command = [*ray_cli(), "start", "--address", s.ray_address, "--block", "--disable-usage-stats"]
+def worker_command(spec: specs.Spec) -> list[str]:
+    settings = spec.settings
+    command = [*ray_cli(), "start", "--address", spec.ray_address, "--block", "--disable-usage-stats"]
     if settings["NODE_IP"]:
         command += ["--node-ip-address", settings["NODE_IP"]]
     return command + list(settings.get("RAY_START_ARGS", ()))
 
 
 class ClusterAddressFile:
-    """`ray start` (head or worker) records its cluster in `<Ray temp dir>/ray_current_cluster`, and a plain
-    `ray.init()` on this node (no address, e.g. `python -m verl.trainer.main_ppo`) joins whatever that file
-    names. Stopping `ray start --block` with SIGTERM does not reset it (only `ray stop` does, machine-wide), so
-    a later plain program would try to join our dead head and hang. Remembered before our `ray start` and put
-    back afterwards: removed, or the previous content restored, unless another cluster has replaced ours since.
+    """`ray start` records its cluster in `<Ray temp dir>/ray_current_cluster`, and a plain `ray.init()` on this
+    node (no address, e.g. `python -m verl.trainer.main_ppo`) joins whatever that file names. Stopping `ray start
+    --block` with SIGTERM does not reset it (only a machine-wide `ray stop` does), so a later plain program would
+    try to join our dead head and hang. Remembered before our `ray start` and put back afterwards.
 
-    The temp dir is Ray 2.60's (ray/_common/utils.py get_default_ray_temp_dir, mirrored to avoid importing
-    Ray): `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray.
-    """
+    The temp dir is Ray 2.60's (ray/_common/utils.py get_default_ray_temp_dir, mirrored to avoid importing Ray):
+    `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray."""
 
     def __init__(self, address: str, settings: Settings):
-        self.address = address
-        self.path = self.locate(settings)
+        self.port = address.rsplit(":", 1)[-1]
+        args, environ = list(settings.get("RAY_START_ARGS", ())), settings.environ()
+        temp = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--temp-dir"), None) or \
+            next((a.split("=", 1)[1] for a in args if a.startswith("--temp-dir=")), None)
+        base = environ.get("RAY_TMPDIR") or (environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+        self.path = Path(temp) if temp else Path(base or "/tmp") / "ray"
+        self.path = self.path / "ray_current_cluster"
         self.before = self.read()
-
-    @staticmethod
-    def locate(settings: Settings) -> Path:
-        """Where the `ray start` we run (with settings.environ()) writes the file."""
-        args = list(settings.get("RAY_START_ARGS", ()))
-        environ = settings.environ()
-        for i, arg in enumerate(args):
-            if arg == "--temp-dir" and i + 1 < len(args):
-                return Path(args[i + 1]) / "ray_current_cluster"
-            if arg.startswith("--temp-dir="):
-                return Path(arg.split("=", 1)[1]) / "ray_current_cluster"
-        if "RAY_TMPDIR" in environ:
-            base = environ["RAY_TMPDIR"]
-        elif sys.platform.startswith("linux") and "TMPDIR" in environ:
-            base = environ["TMPDIR"]
-        else:
-            base = "/tmp"
-        return Path(base) / "ray" / "ray_current_cluster"
 
     def read(self) -> str | None:
         try:
@@ -251,10 +280,9 @@ class ClusterAddressFile:
             return None
 
     def ours(self, content: str | None) -> bool:
-        """Whether `content` names a cluster at our port. Ray writes the GCS address as it sees it (on a
-        head started with --node-ip-address 127.0.0.1 that can be the node's primary address), so the port
-        identifies it; whatever listened there is what this launch has just stopped."""
-        return content is not None and content.rsplit(":", 1)[-1] == self.address.rsplit(":", 1)[-1]
+        """Whether `content` names a cluster at our port (Ray writes the address as it sees it, which can be the
+        node's primary address): whatever listened there is what this launch has just stopped."""
+        return content is not None and content.rsplit(":", 1)[-1] == self.port
 
     def restore(self) -> None:
         now = self.read()
@@ -271,88 +299,62 @@ class ClusterAddressFile:
 
 
 def head_ip_problem(head_ip: str | None) -> str | None:
-    """Why HEAD_IP cannot be this node's Ray head address, or None. `ray start --head --node-ip-address`
-    with a foreign address starts a head that no worker reaches (or fails with a Ray traceback)."""
-    if not head_ip:
+    """Why HEAD_IP cannot be this node's Ray head address, or None: `ray start --head --node-ip-address` with a
+    foreign address starts a head that no worker reaches (or fails with a Ray traceback)."""
+    if not head_ip or node.is_local_address(head_ip):
         return None
-    from app.doctor import interface_addresses, is_local_address
-
-    if is_local_address(head_ip):
-        return None
-    mine = sorted({a for addresses in interface_addresses().values() for a in addresses if ":" not in a})
+    mine = sorted({a for addresses in node.interface_addresses().values() for a in addresses if ":" not in a})
     return (f"HEAD_IP={head_ip} is not an address of this machine (its addresses: {', '.join(mine) or 'none'}): "
             "run make grpo-head on the head node itself, with HEAD_IP set to one of its addresses (and the same "
             "HEAD_IP on every worker)")
-
-
-def head_reachable(host: str, port: int, window: float = 10.0) -> str | None:
-    """Within `window` seconds, whether anything at host:port can be reached: None when the head answers;
-    "refused" when the machine answers but nothing listens there yet (the head may still be starting);
-    else why not (timed out, no route, unknown host) - then HEAD_IP is wrong or the network blocks it."""
-    deadline = time.monotonic() + window
-    reason = "timed out"
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.5, min(3.0, deadline - time.monotonic()))):
-                return None
-        except ConnectionRefusedError:
-            return "refused"
-        except socket.gaierror as exc:
-            return f"unknown host: {exc.strerror}"
-        except OSError as exc:
-            reason = exc.strerror or "timed out"
-        time.sleep(0.5)
-    return reason
 
 
 def describe_nodes(nodes: list[dict]) -> str:
     return ", ".join(f"{n['NodeManagerAddress']} ({int(n['Resources'].get('GPU', 0))} GPU)" for n in nodes) or "none"
 
 
-def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float,
-                   head: subprocess.Popen | None = None) -> list[dict]:
-    """Block until `nnodes` alive Ray nodes with >= `gpus_per_node` GPUs each are in the cluster.
+def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float, run: Path,
+                   head: subprocess.Popen | None = None, on_up=lambda: None) -> list[dict]:
+    """Block until `nnodes` alive Ray nodes with >= `gpus_per_node` GPUs each are in the cluster, each running the
+    same run as this head (its fingerprint file `run`, compared with the one every node's `ray start` was given).
 
-    Uses Ray's own view (ray.nodes()) through a short-lived driver in a fresh interpreter: Ray reads its
-    token settings once per process, and this one may have imported Ray (through verl) before they were
-    set. Progress bar while waiting; on the deadline, a UserError saying how many joined, from which IPs.
-    """
+    Ray's own view (ray.nodes()) through a short-lived driver in a fresh interpreter: Ray reads its token
+    settings once per process, and this one may have imported Ray (through verl) before they were set."""
     import multiprocessing
 
     deadline = time.monotonic() + timeout
     host, port = address.rsplit(":", 1)
-    while not port_open(host, int(port)):
+    while not node.port_open(host, int(port)):
         if head is not None and head.poll() is not None:
             raise UserError(f"`ray start --head` exited with code {head.returncode} (its output is above): "
                             f"is {address} already in use or not this machine's address? set HEAD_IP / RAY_PORT")
         if time.monotonic() > deadline:
             raise UserError(f"the Ray head at {address} did not come up within {timeout:.0f}s: see its output above")
         time.sleep(0.5)
+    on_up()
     context = multiprocessing.get_context("spawn")
     # a pipe, not a multiprocessing Queue: a Queue's semaphores, left behind by Ctrl-C or SIGTERM, make the
     # resource tracker print a "leaked semaphore" warning after our one error line
     receiver, answers = context.Pipe(duplex=False)
-    child = context.Process(target=_wait_child, daemon=True,
-                            args=(address, nnodes, gpus_per_node, timeout, deadline - time.monotonic(), answers))
+    child = context.Process(target=_wait_child, daemon=True, args=(
+        address, nnodes, gpus_per_node, timeout, deadline - time.monotonic(), str(run), answers))
     child.start()
     answers.close()
     answered = False
     try:
-        while True:
-            if receiver.poll(1.0):
-                try:
-                    kind, payload = receiver.recv()
-                except EOFError:
-                    raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
-                                    f"{child.exitcode}): see the output above") from None
-                answered = True
-                break
+        while not receiver.poll(1.0):
             if head is not None and head.poll() is not None:
                 raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
                                 "see its output above")
-            if not child.is_alive() and not receiver.poll(0):  # gone without an answer
+            if not child.is_alive() and not receiver.poll(0):
                 raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
                                 f"{child.exitcode}): see the output above")
+        try:
+            kind, payload = receiver.recv()
+        except EOFError:
+            raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
+                            f"{child.exitcode}): see the output above") from None
+        answered = True
     finally:
         if not answered and child.is_alive():
             child.terminate()  # interrupted: the waiting driver goes too, at once
@@ -365,23 +367,50 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     return payload
 
 
-def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, left: float, answers) -> None:
-    """wait_for_nodes' driver (runs in a spawned interpreter): reports ("ok", nodes) or ("error", line)."""
+def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, left: float, run: str,
+                answers) -> None:
+    """wait_for_nodes' driver (runs in a spawned interpreter): reports ("ok", nodes) or ("error", line). Each node
+    that joins is asked, by a task placed on it, for the fingerprint its `ray start` was given (STACK_RUN); a node
+    that runs another run is told so (its STACK_VERDICT file, which its grpo-worker reads once the head is gone)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from tqdm import tqdm
 
     deadline = time.monotonic() + left
     host, port = address.rsplit(":", 1)
+    mine = json.loads(Path(run).read_text())
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
         answers.send(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
         return
+
+    @ray.remote(num_cpus=0)
+    def node_run(verdict: str | None = None):
+        # a task on that node: what its `ray start` was given (STACK_RUN, STACK_VERDICT) is its environment
+        given = {name: Path(os.environ[name]) for name in ("STACK_RUN", "STACK_VERDICT") if os.environ.get(name)}
+        if verdict is not None and "STACK_VERDICT" in given:
+            given["STACK_VERDICT"].write_text(verdict)
+        return json.loads(given["STACK_RUN"].read_text()) if given.get("STACK_RUN", Path()).is_file() else None
+
+    def on(n):
+        return node_run.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+
+    compared: set[str] = set()
     try:
         with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node") as bar:
             while True:
                 alive = [n for n in ray.nodes() if n.get("Alive")]
                 ready = [n for n in alive if n["Resources"].get("GPU", 0) >= gpus_per_node]
+                for n in [n for n in ready if n["NodeID"] not in compared]:
+                    theirs = ray.get(on(n).remote())
+                    compared.add(n["NodeID"])
+                    line = mismatch(f"the node at {n['NodeManagerAddress']}", theirs, "the head", mine) \
+                        if theirs is not None else None
+                    if line:
+                        ray.get([on(m).remote(f"error: {line}") for m in alive])
+                        answers.send(("error", line))
+                        return
                 if min(len(ready), nnodes) != bar.n:
                     bar.update(min(len(ready), nnodes) - bar.n)
                     bar.set_postfix_str(", ".join(n["NodeManagerAddress"] for n in ready))
@@ -401,30 +430,11 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
         ray.shutdown()
 
 
-def stop_process(process: subprocess.Popen, what: str, grace: float = 60.0) -> None:
-    """SIGTERM, then SIGKILL after `grace` seconds: `ray start --block` stops its own Ray processes on
-    SIGTERM, so only what this launch started is stopped (never a machine-wide `ray stop`)."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        warn(f"{what} did not stop within {grace:.0f}s: killing it")
-        process.kill()
-        process.wait()
-
-
 def vllm_env(settings: Settings) -> dict[str, str]:
     """vLLM's settings for this node's Ray processes. verl 0.9.1 sets VLLM_DISABLE_COMPILE_CACHE=1 in the job's
     runtime_env unless the driver's environment sets it (trainer/constants_ppo.py), and the actors of each node
     inherit `ray start`'s environment: so the head, its driver and every worker get it."""
     return {"VLLM_DISABLE_COMPILE_CACHE": settings["VLLM_DISABLE_COMPILE_CACHE"]}
-
-
-def grpo_driver_command(plan: Preflight, settings: Settings, extra_overrides: list[str]) -> list[str]:
-    module = settings["GRPO_TRAINER_MODULE"]  # verl's entry point; a test hook swaps in a tiny stand-in driver
-    return [sys.executable, "-m", module, *hydra_args("grpo", plan.hydra_overrides(extra_overrides))]
 
 
 def launch_grpo_head(settings: Settings) -> int:
@@ -434,53 +444,60 @@ def launch_grpo_head(settings: Settings) -> int:
     problem = head_ip_problem(settings["HEAD_IP"])
     if problem and not dry:  # before preflight's notes: the one line is the refusal
         raise UserError(problem)
-    plan = preflight_and_report("grpo", settings, dry)
-    s = plan.launch
+    plan = preflight("grpo", settings, deep=True, gpus=not dry)  # verl's validate_config on a dry run too
+    spec = plan.spec
     if problem:  # a plan may be printed anywhere; starting the head may not
         warn(problem)
     timeout = settings["WAIT_TIMEOUT"]
-    prepare_run_dir(plan, settings["FRESH"], dry)  # FRESH first: the token and tracking directories belong to the new run
-    track = tracking(s.run_dir, settings, dry)
-    auth = ray_auth_env(s.run_dir, settings, create=not dry)
-    head_cmd = head_command(s, settings)
-    # this attempt's tracking settings also travel in the job's runtime_env, to actors on every node
-    # so does vLLM's cache setting: it then holds even under a Ray head this command did not start
-    driver_cmd = grpo_driver_command(plan, settings, tracking_overrides({**track, **vllm_env(settings)}))
-    extra = {**track, **auth, **vllm_env(settings)}
-    if dry:
-        print_plan(settings, f"grpo-head at {s.ray_address} ({s.nnodes} node(s) x {s.gpus_per_node} GPU(s))",
-                   {**extra, "RAY_ADDRESS": s.ray_address}, [
-                       ("start the Ray head (stopped again when GRPO ends)", head_cmd),
-                       (f"then wait up to {timeout}s for {s.nnodes} node(s) with {s.gpus_per_node} GPU(s) each "
-                        "(ray.nodes()), then run GRPO against that cluster", driver_cmd)])
-        return 0
-    # A write, not a read: the wait's driver (a spawned interpreter) inherits os.environ and joins with
-    # the same token.
-    os.environ.update(auth)
-    head: subprocess.Popen | None = None
-    address_file: ClusterAddressFile | None = None
-    warm: subprocess.Popen | None = None
-    try:
-        warm = warmup.start(s.model_path, s.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
-        if port_open(s.head_ip or "127.0.0.1", s.ray_port):
-            say(f"a Ray head already answers at {s.ray_address}: using it (it was not started by this command)")
-        else:
-            say(f"$ {shlex.join(head_cmd)}")
-            address_file = ClusterAddressFile(s.ray_address, settings)
-            head = subprocess.Popen(head_cmd, env=settings.environ(extra))
-        nodes = wait_for_nodes(s.ray_address, s.nnodes, s.gpus_per_node, timeout, head)
-        say(f"cluster ready: {describe_nodes(nodes)}")
-        rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": s.ray_address})
-    finally:
-        warmup.stop(warm)
-        if head is not None:
-            say("stopping the Ray head (workers leave when it goes away)")
-            stop_process(head, "the Ray head")
-            address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
+    with run_dir_held(plan, "head", "make grpo-head", dry) as timeline:  # FRESH first: token, tracking: the new run
+        track = tracking(spec.run_dir, settings, dry)
+        auth = ray_auth_env(spec.run_dir, settings, create=not dry)
+        head_cmd = head_command(spec)
+        # this attempt's tracking settings and vLLM's cache setting also travel in the job's runtime_env, to actors
+        # on every node, even under a Ray head this command did not start
+        extra_overrides = tracking_overrides({**track, **vllm_env(settings)})
+        driver_cmd = [sys.executable, "-m", settings["GRPO_TRAINER_MODULE"],
+                      *hydra_args("grpo", [*spec.overrides, *extra_overrides])]
+        extra = {**track, **auth, **vllm_env(settings)}
+        if dry:
+            print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
+                       "GPU(s))", {**extra, "RAY_ADDRESS": spec.ray_address}, [
+                           ("start the Ray head (stopped again when GRPO ends)", head_cmd),
+                           (f"then wait up to {timeout}s for {spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) "
+                            "each, every one running this run (ray.nodes()), then run GRPO against that cluster",
+                            driver_cmd)])
+            return 0
+        fingerprint = write_fingerprint(plan, "head")
+        extra["STACK_RUN"] = str(fingerprint)
+        # a write, not a read: the wait's driver (a spawned interpreter) inherits os.environ, joins with the token
+        os.environ.update(auth)
+        head: subprocess.Popen | None = None
+        address_file: ClusterAddressFile | None = None
+        warm: subprocess.Popen | None = None
+        try:
+            warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
+            if node.port_open(settings["HEAD_IP"] or "127.0.0.1", settings["RAY_PORT"]):
+                say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
+            else:
+                say(f"$ {shlex.join(head_cmd)}")
+                address_file = ClusterAddressFile(spec.ray_address, settings)
+                head = subprocess.Popen(head_cmd, env=settings.environ(extra), start_new_session=True)
+            nodes = wait_for_nodes(spec.ray_address, spec.nnodes, spec.gpus_per_node, timeout, fingerprint, head,
+                                   on_up=lambda: timeline.stamp("Ray head up"))
+            timeline.stamp("all nodes joined")
+            say(f"cluster ready: {describe_nodes(nodes)}")
+            timeline.stamp("driver started")
+            rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": spec.ray_address}, timeline)
+        finally:
+            warmup.stop(warm)
+            if head is not None:
+                say("stopping the Ray head (workers leave when it goes away)")
+                stop_group(head, "the Ray head")
+                address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
     if rc != 0:
         raise UserError(f"the GRPO driver exited with code {rc} (its output is above): fix the cause and rerun "
                         "`make grpo-head`; it resumes from the latest checkpoint")
-    say(f"GRPO finished: checkpoints in {s.run_dir} on each node (next: make gather, make merge)")
+    say(f"GRPO finished: checkpoints in {spec.run_dir} on each node (next: make gather, make merge)")
     return 0
 
 
@@ -488,67 +505,76 @@ def launch_grpo_worker(settings: Settings) -> int:
     """Join the head (retrying while it is not up yet) and stay in the foreground until it goes away."""
     from tqdm import tqdm
 
+    from app.preflight import check_model, check_node, _refuse_stale_environment
+
     dry = settings["DRY_RUN"]
-    s = read_launch("grpo", settings)
-    if not s.head_ip:
+    if not settings["HEAD_IP"]:
         raise UserError("HEAD_IP is not set: set it to the Ray head's IP (the same HEAD_IP as on the head)")
-    refuse_stale_environment(settings)  # Ray actors on this node inherit its environment
-    if s.gpus_seen is not None and s.gpus_seen != s.gpus_per_node:
-        raise UserError(f"GPUS_PER_NODE={s.gpus_per_node} but this node sees {s.gpus_seen} GPU(s) ({s.gpu_source}): "
-                        f"set GPUS_PER_NODE={s.gpus_seen} or change CUDA_VISIBLE_DEVICES")
+    _refuse_stale_environment(settings)  # Ray actors on this node inherit its environment
+    spec = specs.read("grpo", settings)
+    plan = Preflight(spec, started_at())
+    check_node(spec, plan.warnings, plan.notes)
+    check_model(spec)
     if not dry:
-        refuse_without_gpus(s, settings, "make grpo-worker")
-    command = worker_command(s, settings)
+        refuse_without_gpus(spec, "make grpo-worker")
+    command = worker_command(spec)
     timeout = settings["WAIT_TIMEOUT"]
-    extra = {**tracking(s.run_dir, settings, dry), **vllm_env(settings)}
+    name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
+    extra = {**tracking(spec.run_dir, settings, dry), **vllm_env(settings)}
     if dry:
-        auth = ray_auth_env(s.run_dir, settings, create=False)
-        print_plan(settings, f"grpo-worker joining {s.ray_address}", {**extra, **auth}, [
+        print_plan(settings, f"grpo-worker joining {spec.ray_address}", {**extra, **ray_auth_env(
+            spec.run_dir, settings, create=False)}, [
             (f"wait up to {timeout}s for the head, then join it and stay until it goes away", command)])
         return 0
-    reach = head_reachable(s.head_ip, s.ray_port)
+    reach = node.reachable(settings["HEAD_IP"], settings["RAY_PORT"])
     if reach not in (None, "refused"):
-        raise UserError(f"no Ray head answers at {s.ray_address} ({reach}): start make grpo-head there first, or "
+        raise UserError(f"no Ray head answers at {spec.ray_address} ({reach}): start make grpo-head there first, or "
                         "fix HEAD_IP / RAY_PORT (the head's address and port, reachable from this node)")
     if reach == "refused":  # the machine is there, its head not (yet): say so now, not after WAIT_TIMEOUT
-        warn(f"nothing answers at {s.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
+        warn(f"nothing answers at {spec.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
              "(if HEAD_IP or RAY_PORT is wrong, stop this and fix it)")
     deadline = time.monotonic() + timeout
-    # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
-    log = s.run_dir / "logs" / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log"
     warm: subprocess.Popen | None = None
-    try:
-        warm = warmup.start(s.model_path, log, settings.environ(extra))
-        with tqdm(desc=f"waiting for the Ray head at {s.ray_address}", unit="s", total=None) as bar:
-            while True:
-                auth = _worker_auth(s, settings)
-                if auth is not None and port_open(s.head_ip, s.ray_port):
-                    break
-                if time.monotonic() > deadline:
-                    missing = "the token (RAY_AUTH_TOKEN in .env, or " + str(token_path(s.run_dir, settings)) + ")" \
-                        if auth is None else f"{s.ray_address} answering"
-                    raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
-                                    "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
-                time.sleep(2.0)
-                bar.update(2)
-        address_file = ClusterAddressFile(s.ray_address, settings)
+    with run_dir_held(plan, name, "make grpo-worker", dry) as timeline, \
+            tempfile.TemporaryDirectory(prefix="verl-stack-") as tmp:
+        extra.update(STACK_RUN=str(write_fingerprint(plan, name)), STACK_VERDICT=str(Path(tmp) / "verdict"))
         try:
-            return _run_worker(s, settings, command, {**extra, **auth}, deadline)
+            # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
+            warm = warmup.start(spec.model_path, logs_dir(spec.run_dir) / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log",
+                                settings.environ(extra))
+            with tqdm(desc=f"waiting for the Ray head at {spec.ray_address}", unit="s", total=None) as bar:
+                while (auth := _worker_auth(spec, settings)) is None or \
+                        not node.port_open(settings["HEAD_IP"], settings["RAY_PORT"]):
+                    if time.monotonic() > deadline:
+                        missing = f"the token (RAY_AUTH_TOKEN in .env, or {token_path(spec.run_dir, settings)})" \
+                            if auth is None else f"{spec.ray_address} answering"
+                        raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
+                                        "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
+                    time.sleep(2.0)
+                    bar.update(2)
+            address_file = ClusterAddressFile(spec.ray_address, settings)
+            timeline.stamp("the head answers")
+            try:
+                _run_worker(spec, command, {**extra, **auth}, deadline)
+            finally:
+                address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
         finally:
-            address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
-    finally:
-        warmup.stop(warm)
+            warmup.stop(warm)
+        verdict = Path(extra["STACK_VERDICT"])
+        if verdict.is_file():  # the head refused this node: its line, here too
+            raise UserError(verdict.read_text().strip().removeprefix("error: "))
+    say(f"the Ray head at {spec.ray_address} went away: worker stopped")
+    return 0
 
 
-def _run_worker(s: Launch, settings: Settings, command: list[str], environment: dict[str, str],
-                deadline: float) -> int:
+def _run_worker(spec: specs.Spec, command: list[str], environment: dict[str, str], deadline: float) -> None:
     """`ray start --address ... --block` until the head goes away; retried while the head is still starting."""
+    settings = spec.settings
     while True:
         started = time.monotonic()
         rc = run_process(settings, "grpo-worker", command, environment)
-        if not port_open(s.head_ip, s.ray_port):
-            say(f"the Ray head at {s.ray_address} went away: worker stopped")
-            return 0
+        if not node.port_open(settings["HEAD_IP"], settings["RAY_PORT"]):
+            return
         if time.monotonic() - started < 30 and time.monotonic() < deadline:
             warn(f"`ray start` exited with code {rc} right away; retrying in 5s (head still starting?)")
             time.sleep(5)
@@ -557,16 +583,13 @@ def _run_worker(s: Launch, settings: Settings, command: list[str], environment: 
                         "check the token (RAY_AUTH_TOKEN / token file) is the head's, then rerun")
 
 
-def _worker_auth(s: Launch, settings: Settings) -> dict[str, str] | None:
-    if settings["RAY_AUTH_TOKEN"]:
-        return ray_auth_env(s.run_dir, settings, create=False)
-    return ray_auth_env(s.run_dir, settings, create=False) if token_path(s.run_dir, settings).is_file() else None
+def _worker_auth(spec: specs.Spec, settings: Settings) -> dict[str, str] | None:
+    if settings["RAY_AUTH_TOKEN"] or token_path(spec.run_dir, settings).is_file():
+        return ray_auth_env(spec.run_dir, settings, create=False)
+    return None
 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
-    # SIGTERM from docker/kill raises Terminated (a KeyboardInterrupt), so that `finally` stops what
-    # this launch started
-    signal.signal(signal.SIGTERM, raise_terminated)
     if argv and argv[0] in ("-h", "--help"):
         say(__doc__ or "")
         return 0

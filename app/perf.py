@@ -17,11 +17,7 @@ batch: tokens packed into one micro batch).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import json
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,12 +69,10 @@ class ModelShape:
 
 
 def model_shape(model_path: Path | None) -> ModelShape | None:
-    """The shape of a Hugging Face model from its config.json; None where it cannot be read."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    config = config.get("text_config") or config
+    """The shape of a Hugging Face model from its config.json (app.runs.read_model); None where it cannot be read."""
+    from app.runs import read_model
+
+    config = read_model(Path(model_path)).text if model_path is not None else {}
     try:
         hidden = int(config["hidden_size"])
         return ModelShape(layers=int(config["num_hidden_layers"]), hidden=hidden,
@@ -89,32 +83,6 @@ def model_shape(model_path: Path | None) -> ModelShape | None:
                           kv_heads=config.get("num_key_value_heads"))
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def csv_values(text: str) -> list[str]:
-    """`nvidia-smi --query-gpu=FIELD --format=csv,noheader,nounits` output: one value a GPU."""
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def query_gpus(field: str) -> list[str] | None:
-    """One value of `field` a GPU this node sees (nvidia-smi answers in milliseconds; torch would take seconds
-    to import); None where nvidia-smi is missing or fails."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return csv_values(out.stdout) if out.returncode == 0 else None
-
-
-@functools.cache  # asked by both perf.overrides and check_budgets in one preflight: one nvidia-smi call
-def gpu_memory_bytes() -> int | None:
-    """Memory of the smallest GPU this node sees; None where it cannot be read."""
-    sizes = [int(float(x)) for x in query_gpus("memory.total") or [] if x.replace(".", "", 1).isdigit()]
-    return min(sizes) * 1024**2 if sizes else None
 
 
 def flash_attn_installed() -> bool:
@@ -189,17 +157,18 @@ class Note:
     keys: tuple[str, ...] = ()  # the overrides it describes
 
 
-def overrides(job: str, s=None, chosen_attention: str | None = None) -> tuple[list[str], list[Note]]:
+def overrides(spec, chosen_attention: str | None = None) -> tuple[list[str], list[Note]]:
     """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
 
     Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
     under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
     the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
-    `s` is preflight's Launch of this node. The user's ARGS and CONFIG come later and win (`notes_for` then
-    says what runs instead); `chosen_attention` is the implementation they chose, for a budget that holds
-    its mask.
+    `spec` is app.spec's, before it composes: the model and the node's size are the settings' (which the config
+    then gets). The user's ARGS and CONFIG come later and win (`notes_for` then says what runs instead);
+    `chosen_attention` is the implementation they chose, for a budget that holds its mask.
     `check_budgets` refuses a budget that cannot fit.
     """
+    job, settings = spec.job, spec.settings
     keys = PERF_KEYS[job]
     impl, why = attention()
     attn_key = attention_key(job)
@@ -208,12 +177,13 @@ def overrides(job: str, s=None, chosen_attention: str | None = None) -> tuple[li
     if job == "sft" and liger():  # measured for SFT only (docs/benchmarks.md)
         out.append("model.use_liger=True")
         notes.append(Note("Liger kernels: on (liger-kernel is installed)", ("model.use_liger",)))
-    shape = model_shape(s.model_path) if s is not None and s.model_path is not None else None
-    gpu = gpu_memory_bytes()
-    if s is None or shape is None or gpu is None:
+    shape = model_shape(Path(settings["MODEL_PATH"]).expanduser()) if settings["MODEL_PATH"] else None
+    gpu = spec.gpus.memory_bytes
+    if shape is None or gpu is None:
         notes.append(Note("token budget: the profile's (GPU memory or model shape unknown here)"))
         return out, notes
-    budget = token_budget(shape, gpu, s.gpus_per_node * s.nnodes, ref_model=job == "grpo",
+    gpus = settings.get("GPUS_PER_NODE", spec.gpus.count or 1) * settings["NNODES"]
+    budget = token_budget(shape, gpu, gpus, ref_model=job == "grpo",
                           dense_mask=(chosen_attention or impl) in DENSE_MASK_IMPLS)
     if budget is None:
         return out, notes  # check_budgets refuses with what to do
@@ -225,15 +195,13 @@ def overrides(job: str, s=None, chosen_attention: str | None = None) -> tuple[li
     return out, notes
 
 
-def notes_for(notes: list[Note], choices: list[str], cfg) -> list[str]:
+def notes_for(notes: list[Note], spec) -> list[str]:
     """The notes of this node's choices as they stand in the composed config: where ARGS or CONFIG set one
     of a note's keys otherwise, the note says what runs and what preflight would have chosen."""
-    from omegaconf import OmegaConf
-
-    chosen = dict(choice.split("=", 1) for choice in choices)
+    chosen = dict(choice.lstrip("+").split("=", 1) for choice in spec.choices)
     out = []
     for note in notes:
-        composed = {key: OmegaConf.select(cfg, key) for key in note.keys}
+        composed = {key: spec.get(key) for key in note.keys}
         replaced = [key for key in note.keys if key in chosen and str(composed[key]).lower() != chosen[key].lower()]
         if not replaced:
             out.append(note.text)
@@ -245,28 +213,26 @@ def notes_for(notes: list[Note], choices: list[str], cfg) -> list[str]:
     return out
 
 
-def check_budgets(s, cfg, gpu: int | None = None) -> None:
+def check_budgets(spec, gpu: int | None = None) -> None:
     """Refuse a token budget (ARGS or profile) that cannot fit this node's GPUs, before verl runs out of
     memory minutes into the run; nothing to check where the GPU memory or the model shape is unknown."""
-    from omegaconf import OmegaConf
-
-    shape = model_shape(s.model_path) if s.model_path is not None else None
-    gpu = gpu if gpu is not None else gpu_memory_bytes()
+    shape = model_shape(spec.model_path)
+    gpu = gpu if gpu is not None else spec.gpus.memory_bytes
     if shape is None or gpu is None:
         return
-    keys = PERF_KEYS[s.job]
-    checkpointing = bool(OmegaConf.select(cfg, f"{keys['model']}.enable_gradient_checkpointing"))
-    impl = OmegaConf.select(cfg, attention_key(s.job))
+    keys = PERF_KEYS[spec.job]
+    checkpointing = bool(spec.get(f"{keys['model']}.enable_gradient_checkpointing"))
+    impl = spec.get(attention_key(spec.job))
     dense = impl in DENSE_MASK_IMPLS
-    gpus = s.gpus_per_node * s.nnodes
+    gpus = spec.total_gpus
     # what fits, not what is fast
-    fits = token_budget(shape, gpu, gpus, ref_model=s.job == "grpo", cap=None, dense_mask=dense)
+    fits = token_budget(shape, gpu, gpus, ref_model=spec.job == "grpo", cap=None, dense_mask=dense)
     if fits is None:
         raise UserError(f"the model ({shape.params / 1e9:.1f}B parameters) does not fit {gpus} GPU(s) of "
                         f"{gpu / GIB:.0f} GiB for training (weights, gradients and Adam state alone): use "
                         "more GPUs (NNODES, GPUS_PER_NODE) or a smaller model")
     key, factor = next(iter(keys["budgets"].items()))
-    asked = OmegaConf.select(cfg, key)
+    asked = spec.get(key)
     limit = fits.tokens * factor
     if fits.checkpointing and not checkpointing:
         limit = 0  # only checkpointing fits any budget

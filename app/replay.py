@@ -14,8 +14,7 @@ its own extension point for samplers; everything but the interval is verl's. The
 verl hands a custom sampler less than its own (no train or generation batch size, no DAPO group filter, no
 failed-group refill), so this one takes the batch size from sampler_kwargs and serves only what verl's
 default serves without those options: the sync trainer, no filter_groups, no sync_refill_failed_groups, no
-other generation batch. Preflight recognises this class however its module path is spelled (verl accepts
-several) and refuses the other cases, and an interval under MIN_POLL (app/preflight.py).
+other generation batch. It refuses the other cases itself, when verl builds it; the demo never asks for them.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ POLL_KEY, BATCH_KEY, DEFAULT_POLL, MIN_POLL = "poll_interval", "train_batch_size
 class QuickPollReplayBuffer(ReplayBuffer):
     def __init__(self, *, sampler_kwargs, trainer_mode, **verl_kwargs):
         options = dict(sampler_kwargs or {})
-        # preflight refuses these first (app/preflight.py); here for a config that did not pass through it
         if trainer_mode != "sync":
             raise ValueError(f"QuickPollReplayBuffer serves verl's sync trainer only, not trainer_mode={trainer_mode}")
         if BATCH_KEY not in options:

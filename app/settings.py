@@ -1,19 +1,19 @@
 """Every environment variable the stack reads, in one registry, read once per command.
 
-One precedence for all of them: the command line and the shell (`make VAR=value` reaches the app as
-the environment) over `.env` (read here with python-dotenv, so quotes and `#` comments mean what they
-mean to compose) over the registry's default. An empty value counts as unset: an outer make exports
-empty variables. A bad value is one UserError line naming the variable and what is allowed, raised
-before the command starts anything.
+One precedence for all of them: the command line and the shell (`make VAR=value` reaches the app as the
+environment) over `.env` (read with python-dotenv, so quotes and `#` comments mean what they mean to compose) over
+ARGS' and then CONFIG's keys that a setting owns (ARGS="trainer.experiment_name=x" is EXPERIMENT=x, as verl's own
+recipes write it) over the registry's default. An empty value counts as unset: an outer make exports empty
+variables. A bad value is one UserError line naming the variable and what is allowed, raised before the command
+starts anything.
 
-`python -m app` loads the settings once and hands the frozen `Settings` to the command's main(); no
-other module reads os.environ (the few exceptions say why where they are). The README's tables,
-`.env.example` and compose's pass-through list are rendered from REGISTRY (`python -m app settings
---write` rewrites them; tests/test_settings.py checks they agree).
+`python -m app` loads the settings once and hands the frozen `Settings` to the command's main(); no other module
+reads os.environ (the few exceptions say why where they are). docs/settings.md, `.env.example` and compose's
+pass-through list are rendered from REGISTRY (`python -m app settings --write`; tests/test_settings.py checks).
 """
-
 from __future__ import annotations
 
+import dataclasses
 import io
 import ipaddress
 import os
@@ -37,7 +37,7 @@ class Var:
     """One environment variable: how it is checked, what it means (English, 中文), who reads it."""
 
     name: str
-    kind: str  # text | words | path | int | port | ip | ipv4 | host | flag | choice
+    kind: str  # text | words | path | paths | step | int | port | ip | ipv4 | host | flag | choice
     default: str | None  # as it would be written in .env; None: unset (the doc says what then)
     doc: str
     zh: str
@@ -50,6 +50,7 @@ class Var:
     passthrough: bool = True  # listed in compose's `environment:` (reaches the containers)
     make_only: bool = False  # read by make itself: command line or shell only, make reads no .env
     keep_empty: bool = False  # an empty value means something (CUDA_VISIBLE_DEVICES="": no GPU)
+    key: str | None = None  # the config key it sets ({model}: the job's model section); ARGS and CONFIG may give it
 
     @property
     def allowed(self) -> str:
@@ -70,6 +71,8 @@ class Var:
             return " or ".join(", ".join(self.choices).rsplit(", ", 1))
         if self.kind == "words":
             return "words split like a shell line"
+        if self.kind == "step":
+            return "latest or a step number"
         return "any text"
 
 
@@ -80,11 +83,13 @@ GROUP_ZH = {G_CLUSTER: "集群", G_RUN: "模型、数据、运行", G_ONCE: "单
 
 REGISTRY: tuple[Var, ...] = (
     # --- the cluster: the lines of .env that describe this node -----------------------------------
-    Var("NNODES", "int", "1", "machines in the run", "机器数", PREFLIGHT, G_CLUSTER, minimum=1, example="1"),
+    Var("NNODES", "int", "1", "machines in the run", "机器数", PREFLIGHT, G_CLUSTER, minimum=1, example="1",
+        key="trainer.nnodes"),
     Var("NODE_RANK", "int", "0", "this machine's rank, 0..NNODES-1 (0 on the head): the only line that differs "
         "between nodes", "本机序号 0..NNODES-1（head 为 0），各节点唯一不同的一行", PREFLIGHT, G_CLUSTER, example="0"),
     Var("GPUS_PER_NODE", "int", None, "GPUs each machine uses (default: the GPUs this node sees, else 1)",
-        "每台机器使用的 GPU 数（默认：本机可见的 GPU 数，否则 1）", PREFLIGHT, G_CLUSTER, example="8"),
+        "每台机器使用的 GPU 数（默认：本机可见的 GPU 数，否则 1）", PREFLIGHT, G_CLUSTER, example="8",
+        key="trainer.n_gpus_per_node"),
     Var("MASTER_ADDR", "host", None, "node 0's address for SFT across machines (torchrun)",
         "多机 SFT 时 0 号节点的地址（torchrun）", ("sft", "check", "config", "doctor"), G_CLUSTER,
         example="<node 0 IP>"),
@@ -119,7 +124,7 @@ REGISTRY: tuple[Var, ...] = (
     # --- model, data, runs -------------------------------------------------------------------------
     Var("MODEL_PATH", "path", None, "local Hugging Face model directory (required for training; nothing is "
         "downloaded)", "本地 Hugging Face 模型目录（训练必填，不会下载）", PREFLIGHT, G_RUN,
-        example="<absolute path of a local model directory>"),
+        example="<absolute path of a local model directory>", key="{model}.path"),
     Var("CONFIG", "path", None, "your own verl-style YAML, layered over the profile and under the settings and "
         "ARGS (every unknown key is listed at once, with verl 0.9.1's new name for the old walkthrough's keys)",
         "你自己的 verl 风格 YAML，叠加在 profile 之上、设置与 ARGS 之下（所有未知键一次列出，旧教程中改名的键给出新名）",
@@ -127,25 +132,28 @@ REGISTRY: tuple[Var, ...] = (
     Var("DATA_DIR", "path", "data", "where `make prep` writes and training reads",
         "`make prep` 输出与训练读取的数据目录", ("prep", *PREFLIGHT, "eval"), G_RUN,
         example="<absolute path, the same on every node>"),
-    Var("TRAIN_FILE", "path", None, "training parquet (default DATA_DIR/gsm8k_sft or gsm8k/train.parquet)",
-        "训练 parquet（默认 DATA_DIR/gsm8k_sft 或 gsm8k/train.parquet）", PREFLIGHT, G_RUN),
-    Var("VAL_FILE", "path", None, "validation parquet (default .../test.parquet)", "验证 parquet（默认 .../test.parquet）",
-        PREFLIGHT, G_RUN),
+    Var("TRAIN_FILE", "paths", None, "training parquet, or several as [a,b] (default DATA_DIR/gsm8k_sft or "
+        "gsm8k/train.parquet)", "训练 parquet，多个写作 [a,b]（默认 DATA_DIR/gsm8k_sft 或 gsm8k/train.parquet）",
+        PREFLIGHT, G_RUN, key="data.train_files"),
+    Var("VAL_FILE", "paths", None, "validation parquet, or several as [a,b] (default .../test.parquet)",
+        "验证 parquet，多个写作 [a,b]（默认 .../test.parquet）", PREFLIGHT, G_RUN, key="data.val_files"),
     Var("GSM8K_SOURCE", "text", None, "GSM8K to prepare: a directory of .jsonl/.jsonl.gz/.parquet, or hf "
         "(default: the bundled copy)", "要准备的 GSM8K：含 .jsonl/.jsonl.gz/.parquet 的目录，或 hf（默认：仓库自带）",
         ("prep",), G_RUN),
     Var("CKPT_DIR", "path", None, "the run directory (default checkpoints/EXPERIMENT)",
-        "运行目录（默认 checkpoints/EXPERIMENT）", (*PREFLIGHT, "gather", "merge", "eval", "report", "board"), G_RUN),
+        "运行目录（默认 checkpoints/EXPERIMENT）", (*PREFLIGHT, "gather", "merge", "eval", "report", "board"), G_RUN,
+        key="trainer.default_local_dir"),
     Var("EXPERIMENT", "text", None, "the run's name (default sft-gsm8k, grpo-gsm8k)",
-        "运行名（默认 sft-gsm8k、grpo-gsm8k）", (*PREFLIGHT, "gather", "merge", "eval", "report"), G_RUN),
+        "运行名（默认 sft-gsm8k、grpo-gsm8k）", (*PREFLIGHT, "gather", "merge", "eval", "report"), G_RUN,
+        key="trainer.experiment_name"),
     Var("JOB", "choice", None, "which job's run merge/gather/report/eval use, and `make check` checks "
         "(default: the one run present; check: sft)", "merge/gather/report/eval 用哪个任务的运行、`make check` 检查哪个"
         "（默认：现有的那个运行；check 默认 sft）", ("check", "doctor", "gather", "merge", "eval", "report"),
         G_RUN, choices=("sft", "grpo")),
     Var("ARGS", "words", None, "Hydra overrides appended last: ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\" "
-        "(what a setting decides, e.g. the model path, data files, run dir or node count, is refused here: set the "
-        "setting)", "追加在最后的 Hydra 覆盖项：ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"（由设置决定的项，如模型路径、"
-        "数据文件、运行目录、节点数，在这里会被拒绝：请改设置）", ("check", "config", "sft",
+        "(a key that a setting owns, e.g. model.path or trainer.experiment_name, is taken as that setting)",
+        "追加在最后的 Hydra 覆盖项：ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\"（属于某个设置的键，如 model.path、"
+        "trainer.experiment_name，按该设置读取）", ("check", "config", "sft",
         "grpo-head", "smoke"), G_RUN, example="optim.lr=1e-5 trainer.total_epochs=2"),
     Var("VLLM_ATTENTION_BACKEND", "text", None, "refused: vLLM 0.24 ignores it; configs/grpo.yaml picks the "
         "backend", "会被拒绝：vLLM 0.24 忽略它；注意力后端在 configs/grpo.yaml 中选择", ("check", *LAUNCH),
@@ -161,7 +169,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("FRESH", "flag", "0", "move the previous run aside (never deleted) and start over; otherwise a rerun "
         "resumes (demo: rerun every stage)", "把旧运行目录移到一旁（不删除）后重新开始；否则重跑会续训（demo：所有阶段重跑）",
         ("sft", "grpo-head", "demo"), G_ONCE),
-    Var("STEP", "text", None, "which step: merge/gather (default latest), eval (the merged step)",
+    Var("STEP", "step", None, "which step: merge/gather (default latest), eval (the merged step)",
         "哪一步：merge/gather（默认最新）、eval（已合并的步）", ("gather", "merge", "eval"), G_ONCE),
     Var("OUT_DIR", "path", None, "merge's output (default models/<run>-step<N>); eval reads it",
         "merge 的输出目录（默认 models/<运行名>-step<N>）；eval 也读取", ("merge", "eval"), G_ONCE),
@@ -214,7 +222,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("SWANLAB_API_KEY", "text", None, "swanlab's own: the key for SWANLAB_MODE=cloud", "swanlab 自己的变量：cloud 模式的密钥",
         LAUNCH, G_TRACK, secret=True),
     Var("PROJECT", "text", None, "tracking project name (trainer.project_name)", "记录用的项目名（trainer.project_name）",
-        PREFLIGHT, G_TRACK),
+        PREFLIGHT, G_TRACK, key="trainer.project_name"),
     Var("BOARD_HOST", "ipv4", "127.0.0.1", "where `make board` listens", "`make board` 监听地址", ("board",), G_TRACK),
     Var("BOARD_PORT", "port", "5092", "`make board`'s port", "`make board` 的端口", ("board",), G_TRACK),
     # --- passed on to verl, NCCL, transformers (read by them, not by us) ---------------------------
@@ -305,6 +313,17 @@ def parse(var: Var, raw: str) -> Any:
         return raw
     if kind == "words":
         return tuple(shlex.split(raw))
+    if kind == "paths":  # one path, or Hydra's list of them: [a.parquet,b.parquet]
+        text = raw.strip()
+        if text.startswith("[") and text.endswith("]"):
+            return tuple(_unquoted(item) for item in text[1:-1].split(",") if item.strip())
+        return (raw,)
+    if kind == "step":
+        if raw.strip() == "latest":
+            return "latest"
+        if not raw.strip().isdigit():
+            raise ValueError(raw)
+        return int(raw)
     if kind in ("int", "port"):
         if not re.fullmatch(r"\s*\d+\s*", raw):
             raise ValueError(raw)
@@ -332,10 +351,83 @@ def parse(var: Var, raw: str) -> Any:
     raise AssertionError(f"unknown kind {kind} of {var.name}")
 
 
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+# --- the settings that ARGS and CONFIG may give through their config keys -----------------------------
+RAY_ADDRESS_KEY = "ray_kwargs.ray_init.address"  # HEAD_IP:RAY_PORT
+NODE_FACTS = ("NNODES", "GPUS_PER_NODE", "HEAD_IP", "RAY_PORT")  # CONFIG's are replaced by this machine's
+_OVERRIDE = re.compile(r"\+{0,2}([A-Za-z_][\w.]*)=(.*)", re.S)
+
+
+def owned_keys() -> dict[str, str]:
+    """config key -> the setting that owns it (the model's path as either job spells it)."""
+    return {var.key.format(model=model): var.name for var in REGISTRY if var.key
+            for model in ("model", "actor_rollout_ref.model")}
+
+
+def _plain(value: object) -> str | None:
+    """A config value as a setting's text where it is a plain value or list; None where it is null, an
+    interpolation or a mapping (those stay with Hydra, and preflight checks what they compose to)."""
+    if isinstance(value, (list, tuple)):
+        items = [_plain(item) for item in value]
+        return None if None in items else "[" + ",".join(items) + "]"
+    if value is None or isinstance(value, (dict, bool)):
+        return None
+    text = _unquoted(str(value))
+    if text in ("", "null", "~") or "${" in text or text.startswith("{"):
+        return None
+    if text.startswith("[") and text.endswith("]"):
+        return _plain([_unquoted(item) for item in text[1:-1].split(",") if item.strip()])
+    return text
+
+
+def owned_in(leaves: Mapping[str, object]) -> dict[str, tuple[str, str]]:
+    """The settings that config keys give, with the override that gave each: {"MODEL_PATH": ("model.path=/m", "/m"),
+    "HEAD_IP": ("ray_kwargs.ray_init.address=127.0.0.1:6379", "127.0.0.1"), ...}."""
+    keys, out = owned_keys(), {}
+    for key, value in leaves.items():
+        text = _plain(value)
+        if text is None:
+            continue
+        if key == RAY_ADDRESS_KEY and ":" in text:
+            host, port = text.rsplit(":", 1)
+            out["HEAD_IP"], out["RAY_PORT"] = (f"{key}={text}", host.strip("[]")), (f"{key}={text}", port)
+        elif key in keys:
+            out[keys[key]] = (f"{key}={text}", text)
+    return out
+
+
+def split_args(words: tuple[str, ...]) -> tuple[dict[str, tuple[str, str]], tuple[str, ...]]:
+    """ARGS' overrides of keys that a setting owns (read as that setting, as `make settings` shows) and the rest,
+    in order, which go to Hydra last."""
+    owned: dict[str, str] = {}
+    rest = []
+    for word in words:
+        match = _OVERRIDE.fullmatch(word)
+        given = owned_in({match.group(1): match.group(2)}) if match else {}
+        if given:
+            owned.update(given)
+        else:
+            rest.append(word)
+    return owned, tuple(rest)
+
+
+def _same(var: Var, a: Any, b: Any) -> bool:
+    """Two parsed values of `var` name the same thing (paths: the same place here)."""
+    if var.kind in ("path", "paths"):
+        def where(x):
+            return tuple(os.path.realpath(os.path.expanduser(p)) for p in (x if isinstance(x, tuple) else (x,)))
+        return where(a) == where(b)
+    return a == b
+
+
 @dataclass(frozen=True)
 class Value:
     raw: str | None  # the text as given; None when unset
-    source: str  # shell | .env | default
+    source: str  # shell | .env | ARGS | CONFIG | default
     value: Any = None  # parsed (the default's when unset); None when unset without a default
     error: str | None = None  # the refusal, when `raw` is not allowed
 
@@ -368,6 +460,8 @@ class Settings:
     env_file: Path
     ignored: tuple[str, ...] = ()  # names in .env that only make reads (make reads no .env)
     misspelt: tuple[str, ...] = ()  # names in .env close to a setting's but none: "NNODE (did you mean NNODES?)"
+    args: tuple[str, ...] = ()  # ARGS less the overrides read as settings: what Hydra gets, last
+    config: Mapping[str, object] | None = None  # CONFIG's leaves {dotted key: value}, read once
 
     def __getitem__(self, name: str) -> Any:
         value = self.values[name]
@@ -400,6 +494,9 @@ class Settings:
                 continue  # as load() reads them: make's own are not the app's; CUDA_VISIBLE_DEVICES="" stands
             if value and not out.get(name):
                 out[name] = value
+        for name, value in self.values.items():  # what ARGS and CONFIG gave, as settings: compose mounts them
+            if value.source in ("ARGS", "CONFIG"):
+                out[name] = value.raw
         out.update(extra or {})
         return out
 
@@ -463,8 +560,75 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             values[var.name] = _value(var, dotenv[var.name], ".env")
         else:
             values[var.name] = _value(var, None, "default")
+    args, config = _owned_by_args_and_config(values)
     return Settings(MappingProxyType(values), MappingProxyType(shell), MappingProxyType(dict(dotenv)), env_file,
-                    tuple(ignored), tuple(misspelt(dotenv)))
+                    tuple(ignored), tuple(misspelt(dotenv)), args, config)
+
+
+def _owned_by_args_and_config(values: dict[str, Value]) -> tuple[tuple[str, ...], Mapping[str, object] | None]:
+    """The settings given through config keys, in `values`: ARGS' below the shell and .env (a different value in
+    both is refused: keep one), CONFIG's below ARGS and above the defaults, except this machine's facts (NNODES,
+    GPUS_PER_NODE, the Ray address), which preflight warns of instead. Returns ARGS' rest and CONFIG's leaves."""
+    arguments, config = values["ARGS"], values["CONFIG"]
+    owned, rest = split_args(arguments.value) if arguments.value and not arguments.error else ({}, ())
+    leaves = None
+    if config.value and not config.error:
+        try:
+            leaves = read_config(Path(config.value))
+        except UserError as exc:
+            values["CONFIG"] = dataclasses.replace(config, error=str(exc))
+        except ModuleNotFoundError:  # app.containers on a bare host: the app reads CONFIG again, inside
+            pass
+    for source, given in (("ARGS", owned), ("CONFIG", owned_in(leaves or {}))):
+        for name, (override, text) in given.items():
+            var, before = BY_NAME[name], values[name]
+            taken = _value(var, text, source)
+            if before.raw is None and (source == "ARGS" or name not in NODE_FACTS):
+                values[name] = taken
+            elif source == "ARGS" and before.source != "ARGS" and not (before.error or taken.error) \
+                    and not _same(var, before.value, taken.value):
+                values[name] = dataclasses.replace(before, error=(
+                    f"ARGS sets {override}, which is {name}, but {name}={before.raw} (from {before.source}): keep "
+                    f"one (ARGS' keys that a setting owns are read as that setting)"))
+    return rest, (MappingProxyType(leaves) if leaves is not None else None)
+
+
+IGNORED_TOP_KEYS = ("defaults", "hydra")  # a walkthrough file's own Hydra plumbing: we layer it ourselves
+
+
+def read_config(path: Path) -> dict[str, object]:
+    """CONFIG's leaves {dotted key: value}, parsed as Hydra parses config files (OmegaConf: `1e-5` is a float),
+    interpolations kept as written."""
+    from omegaconf import DictConfig, OmegaConf  # ModuleNotFoundError on a bare host: the caller knows
+    from omegaconf.errors import OmegaConfBaseException
+    import yaml
+
+    path = path.expanduser()
+    if not path.is_file():
+        what = "is not a file: point CONFIG at one YAML file" if path.exists() else \
+            f"does not exist: point CONFIG at your verl-style YAML file (relative paths start at {Path.cwd()})"
+        raise UserError(f"CONFIG={path} {what}")
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as exc:
+        raise UserError(f"CONFIG={path} is not valid YAML ({' '.join(str(exc).split())[:200]}): fix it") from None
+    if not isinstance(loaded, DictConfig):
+        raise UserError(f"CONFIG={path} holds a list, not a mapping of verl settings (`data: {{...}}`): fix it")
+    tree = OmegaConf.to_container(loaded, resolve=False)
+    for key in IGNORED_TOP_KEYS:
+        tree.pop(key, None)
+    return leaves(tree)
+
+
+def leaves(tree: Mapping, prefix: str = "") -> dict[str, object]:
+    """{dotted key: value} of a nested mapping's leaves (an empty mapping is a leaf)."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def misspelt(dotenv: Mapping[str, str]) -> list[str]:
@@ -488,7 +652,7 @@ def misspelt(dotenv: Mapping[str, str]) -> list[str]:
     return out
 
 
-# --- what the registry renders: compose's list, .env.example, the README tables ----------------------
+# --- what the registry renders: compose's list, .env.example, docs/settings.md ----------------------
 
 def passthrough_names() -> list[str]:
     """The variables handed to every container by name (`docker compose run -e NAME`, app.containers)."""
@@ -533,12 +697,13 @@ def _allowed_text(var: Var, zh: bool) -> str:
     words = {"int": ("integer ≥ {m}", "整数 ≥ {m}"), "port": ("port 1-65535", "端口 1-65535"),
              "ip": ("IP address", "IP 地址"), "ipv4": ("IPv4 address", "IPv4 地址"),
              "host": ("IP address or hostname", "IP 地址或主机名"), "flag": ("`1` / `0`", "`1` / `0`"),
-             "words": ("shell words", "shell 词"), "path": ("path", "路径"), "text": ("text", "文本")}
+             "words": ("shell words", "shell 词"), "path": ("path", "路径"), "text": ("text", "文本"),
+             "paths": ("path or [a,b]", "路径或 [a,b]"), "step": ("latest or a number", "latest 或数字")}
     return words[var.kind][zh].format(m=var.minimum)
 
 
-def render_readme_table(zh: bool = False) -> str:
-    """The README's table of every variable (English, or 中文 with zh=True)."""
+def render_table(zh: bool = False) -> str:
+    """The table of every variable (English, or 中文 with zh=True)."""
     head = ("| 变量 | 默认值 | 取值 | 用于 | 含义 |" if zh else "| Variable | Default | Allowed | Used by | Meaning |")
     rows = [head, "|---|---|---|---|---|"]
     for var in REGISTRY:
@@ -548,28 +713,30 @@ def render_readme_table(zh: bool = False) -> str:
     return "\n".join(rows) + "\n"
 
 
-README_MARK = "<!-- settings table ({lang}): written by `python -m app settings --write` -->"
-README_END = "<!-- end of settings table -->"
+SETTINGS_DOC_HEAD = """\
+# Settings / 设置
+
+Every variable the stack reads, in English and 中文. Written by `python -m app settings --write` from the registry in
+`app/settings.py` (tests/test_settings.py checks that they agree); `make settings` prints each value in effect on a node
+and where it came from. One precedence for all: the command line and the shell over `.env` over ARGS' and CONFIG's
+keys that a setting owns (`model.path`, `trainer.experiment_name`, ...) over the default.
+
+由 `python -m app settings --write` 根据 `app/settings.py` 中的登记表生成；`make settings` 打印本节点的实际取值及来源。
+优先级：命令行与 shell > `.env` > ARGS 与 CONFIG 中属于某个设置的键（`model.path`、`trainer.experiment_name` 等）> 默认值。
+"""
 
 
-def readme_with_tables(text: str) -> str:
-    """README text with both generated tables replaced by what the registry renders now."""
-    for lang, zh in (("en", False), ("zh", True)):
-        mark = README_MARK.format(lang=lang)
-        start = text.index(mark) + len(mark)
-        end = text.index(README_END, start)
-        text = text[:start] + "\n" + render_readme_table(zh) + text[end:]
-    return text
+def render_settings_doc() -> str:
+    """docs/settings.md: the table of every variable, in English and 中文."""
+    return f"{SETTINGS_DOC_HEAD}\n## English\n\n{render_table(zh=False)}\n## 中文\n\n{render_table(zh=True)}"
 
 
 def write_derived(root: Path = REPO_ROOT) -> list[Path]:
-    """Rewrite README.md's tables and .env.example from the registry."""
+    """Rewrite docs/settings.md and .env.example from the registry."""
     changed = []
-    for path, render in ((root / "README.md", readme_with_tables), (root / ".env.example", lambda _: render_env_example())):
-        old = path.read_text(encoding="utf-8")
-        new = render(old)
-        if new != old:
-            path.write_text(new, encoding="utf-8")
+    for path, text in ((root / "docs" / "settings.md", render_settings_doc()), (root / ".env.example", render_env_example())):
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
 
@@ -587,7 +754,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                        "came from (shell, .env, default).")
     parser.add_argument("--compose-env", action="store_true", help="print the names passed into the containers")
     parser.add_argument("--write", action="store_true",
-                        help="rewrite README.md's tables and .env.example from the registry")
+                        help="rewrite docs/settings.md and .env.example from the registry")
     args = parser.parse_args(argv)
     if args.compose_env:
         print("\n".join(passthrough_names()))
@@ -598,7 +765,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         return 0
     width = max(len(var.name) for var in REGISTRY)
     env_file = settings.env_file if settings.env_file.is_file() else f"{settings.env_file} (absent)"
-    say(f"settings (shell > {env_file} > default):")
+    say(f"settings (shell > {env_file} > ARGS > CONFIG > default):")
     for var in REGISTRY:
         value = settings.values[var.name]
         text = shown(var, value)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common import REPO_ROOT, UserError, atomic_path, say
-from app.runs import LATEST_FILE, logs_dir, step_dir
+from app.runs import LATEST_FILE, latest_step, logs_dir, step_dir
 from app.settings import Settings
 
 # Variables a user's .env / shell may carry for a real (multi-node) run; smoke sets its own or drops them.
@@ -129,10 +129,10 @@ def print_plan(p: Plan) -> None:
         f"{p.run}/global_step_{p.steps}/ holds the rank-0 shard, the merged model differs from the initial one")
 
 
-def gpu_count() -> int:
-    import torch
+def gpu_count(settings: Settings) -> int:
+    from app.node import gpus
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0
 
 
 # --- checks (pure functions over real files, tested on CPU) -------------------------------------------
@@ -173,11 +173,10 @@ def loss_went_down(losses: list[tuple[int, float]]) -> tuple[float, float]:
 
 def check_checkpoint(run: Path, step: int) -> Path:
     """The rank-0 model shard of `step`, after checking verl's SFT layout around it."""
-    marker = run / LATEST_FILE
-    if not marker.is_file():
-        raise UserError(f"{marker} is missing: the SFT saved no checkpoint; look at its output above")
-    latest = marker.read_text().strip()
-    if latest != str(step):
+    latest = latest_step(run)
+    if latest is None:
+        raise UserError(f"{run / LATEST_FILE} is missing: the SFT saved no checkpoint; look at its output above")
+    if latest != step:
         raise UserError(f"latest checkpoint is step {latest}, expected {step}: the SFT stopped early")
     shard = step_dir(run, step) / "model_world_size_1_rank_0.pt"
     if not shard.is_file() or shard.stat().st_size == 0:
@@ -258,7 +257,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if settings["DRY_RUN"]:
         print_plan(p)
         return 0
-    gpus = gpu_count()
+    gpus = gpu_count(settings)
     if gpus == 0:
         raise UserError("smoke needs a GPU: no CUDA device is visible here; run `make smoke` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common import ArgParser, UserError, atomic_path, hydra_quoted, say, warn, writable_dir
+from app import timeline
 from app.runs import default_run_dir, logs_dir, swanlog_dir
 from app.settings import Settings
 
@@ -325,7 +326,9 @@ def report(run: Path) -> Path:
     with atomic_path(out, "RUN") as tmp:
         tmp.mkdir()
         plots = render(log, tmp)
-        (tmp / "summary.txt").write_text(summary_text(log, plots), encoding="utf-8")
+        startup, text = timeline.draw(run, tmp) if run.is_dir() else ([], "")
+        (tmp / "summary.txt").write_text(summary_text(log, plots + startup) + (f"\n{text}\n" if text else ""),
+                                         encoding="utf-8")
     if log.bad_lines:
         warn(f"skipped {log.bad_lines} unreadable log lines (a run killed mid-write leaves one)")
     return out

@@ -9,13 +9,11 @@ start this in the background right after preflight; it fills the cache through v
 the server later reads is what it would have written itself. Best effort: it never fails a launch (without
 it, vLLM inspects the model as before), and its output goes to a log file.
 
-    python -m app.warmup MODEL_PATH     (what the launchers start)
+    python -m app.warmup ARCHITECTURE...    (what the launchers start, with config.json's architectures)
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,26 +21,19 @@ import threading
 import time
 from pathlib import Path
 
-from app.common import raise_terminated, say
-
-
-def architectures(model_path: Path) -> list[str]:
-    """The model classes config.json names (what vLLM inspects), or none where it names none."""
-    try:
-        names = json.loads((model_path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [name for name in names if isinstance(name, str)]
+from app.common import raise_terminated, say, stop_group
+from app.runs import read_model
 
 
 def start(model_path: Path | None, log: Path, environ: dict[str, str]) -> subprocess.Popen | None:
     """This module as a background process, its output in `log`; None where there is no model to warm.
-    In a process group of its own, so that stop() reaches vLLM's inspection subprocess too."""
-    if model_path is None or not architectures(model_path):
+    In a process group of its own, so that stopping it reaches vLLM's inspection subprocess too."""
+    names = read_model(model_path).architectures if model_path is not None else []
+    if not names:
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "app.warmup", str(model_path)], env=environ,
+        process = subprocess.Popen([sys.executable, "-m", "app.warmup", *names], env=environ,
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     # reaped when it ends (about 45 s in), not left a zombie until the launch ends (run 21)
@@ -51,34 +42,15 @@ def start(model_path: Path | None, log: Path, environ: dict[str, str]) -> subpro
     return process
 
 
-def stop(process: subprocess.Popen | None, grace: float = 10.0) -> None:
-    """Ends what is left of it when the launch ends (an early failure, Ctrl-C, SIGTERM): its whole process
-    group, SIGTERM then SIGKILL. Nothing where it is over (a group outlives its leader while members remain,
-    and Linux reuses no id a group still holds)."""
-    if process is None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(process.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def stop(process: subprocess.Popen | None) -> None:
+    """Ends what is left of it when the launch ends (an early failure, Ctrl-C, SIGTERM): its whole group."""
+    stop_group(process, grace=10.0)
 
 
 def main(argv: list[str]) -> int:
     # SIGTERM from stop() as an exception: vLLM's subprocess.run then kills its inspection child and removes
     # its temporary directory
     signal.signal(signal.SIGTERM, raise_terminated)
-    model_path = Path(argv[0])
     began = time.monotonic()
     try:
         from vllm.model_executor.models.registry import ModelRegistry
@@ -86,7 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"vLLM is not importable here ({type(exc).__name__}: {exc}): nothing warmed")
         return 0
     imported = time.monotonic() - began
-    for name in architectures(model_path):
+    for name in argv:  # the model's architectures (config.json), as the launch read them
         t = time.monotonic()
         try:
             # the call vLLM's ModelConfig makes per architecture: reads the cache, else inspects and writes it

@@ -18,10 +18,11 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from app import composition, perf
+from app import perf
+from app import spec as specs
 from app import preflight as pf
 from app.common import UserError
-from app.settings import load
+from app.settings import BY_NAME, load
 from conftest import REPO, assert_one_line_error, run_app
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
@@ -48,16 +49,16 @@ def launch_env(monkeypatch, tmp_path, data_dir, tiny_model_dir) -> dict[str, str
     return values
 
 
-def plan_of(job: str) -> pf.Preflight:
+def plan_of(job: str, deep: bool = False) -> pf.Preflight:
     """Preflight of `job` with the settings of this process's environment, read once, as a command does."""
-    return pf.preflight(job, load())
+    return pf.preflight(job, load(), deep=deep)
 
 
 def rejects(job: str, monkeypatch, match: str, **env: str) -> str:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=match) as caught:
-        plan_of(job)
+        plan_of(job, deep=True)
     return str(caught.value)
 
 
@@ -68,13 +69,13 @@ def test_shipped_profiles_pass_preflight_and_verls_validate_config(launch_env):
         assert result.returncode == 0, result.stderr
         assert f"preflight {job}: passed" in result.stdout
         assert "Traceback" not in result.stderr
-    assert "verl's validate_config: passed" in result.stdout
+    assert "verl's config types and validate_config: passed" in result.stdout
 
 
 def test_profiles_set_safe_values_where_verls_defaults_bite(launch_env):
-    sft = plan_of("sft").config
+    sft = plan_of("sft").spec.cfg
     assert sft.optim.lr <= 1e-4 and "wandb" not in sft.trainer.logger and "swanlab" in sft.trainer.logger
-    grpo = plan_of("grpo").config
+    grpo = plan_of("grpo").spec.cfg
     rollout = grpo.actor_rollout_ref.rollout
     assert grpo.trainer.save_freq > 0 and "wandb" not in grpo.trainer.logger
     assert rollout.name == "vllm" and rollout.n >= 2 and rollout.tensor_model_parallel_size == 1
@@ -91,11 +92,11 @@ def test_verls_own_entry_points_compose_the_config_preflight_checked(launch_env,
     for job in ("sft", "grpo"):
         plan = plan_of(job)
         out = subprocess.run(
-            [sys.executable, "-m", composition.ENTRY_POINT[job], "--config-dir", str(composition.CONFIG_DIR),
-             "--config-name", job, *plan.hydra_overrides(), "--cfg", "job"],
+            [sys.executable, "-m", BY_NAME[f"{job.upper()}_TRAINER_MODULE"].default, "--config-dir",
+             str(specs.CONFIG_DIR), "--config-name", job, *plan.spec.overrides, "--cfg", "job"],
             cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        ours = OmegaConf.to_container(plan.config)
+        ours = OmegaConf.to_container(plan.spec.cfg)
         lines = out.stdout.splitlines()
         start = next(i for i, line in enumerate(lines) if not line.startswith(" ") and line.split(":")[0] in ours)
         theirs = yaml.safe_load("\n".join(lines[start:]))
@@ -126,8 +127,8 @@ def test_a_lora_run_is_checked_on_a_node_without_vllm_all_but_its_rank(launch_en
     unchecked = [note for note in plan.notes if note.startswith("LoRA rank")]
     assert unchecked == ([f"LoRA rank {rank} not checked against vLLM's limits: vLLM is not importable here "
                           "(grpo-head's preflight checks it where vLLM is installed, as in the image)"] if rank else [])
-    assert "verl's validate_config: passed" in plan.notes
-    model = plan.config.actor_rollout_ref.model
+    assert "verl's config types and validate_config: passed" in plan.notes
+    model = plan.spec.cfg.actor_rollout_ref.model
     assert (model.lora_rank, model.lora.rank) == ((8, 0) if rank == 8 else (0, 16))
 
 
@@ -144,11 +145,11 @@ def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_
     # Hydra merges a config file's keys without struct checks (verl's lr=1e-3 would silently stay):
     # preflight compares the profile with verl's own config
     configs = tmp_path / "configs"
-    shutil.copytree(composition.CONFIG_DIR, configs)
+    shutil.copytree(specs.CONFIG_DIR, configs)
     text = (configs / f"{job}.yaml").read_text()
     assert text.count(line) == 1
     (configs / f"{job}.yaml").write_text(text.replace(line, typo))
-    monkeypatch.setattr(composition, "CONFIG_DIR", configs)
+    monkeypatch.setattr(specs, "CONFIG_DIR", configs)
     message = rejects(job, monkeypatch, key)
     assert "does not have" in message
 
@@ -156,31 +157,21 @@ def test_misspelt_key_in_a_profile_file_is_refused(launch_env, monkeypatch, tmp_
 @pytest.mark.parametrize("job", ["sft", "grpo"])
 def test_broken_yaml_in_a_profile_is_a_one_line_refusal(launch_env, monkeypatch, tmp_path, job):
     configs = tmp_path / "configs"
-    shutil.copytree(composition.CONFIG_DIR, configs)
+    shutil.copytree(specs.CONFIG_DIR, configs)
     (configs / f"{job}.yaml").write_text((configs / f"{job}.yaml").read_text() + "\ntrainer: [unclosed\n")
-    monkeypatch.setattr(composition, "CONFIG_DIR", configs)
+    monkeypatch.setattr(specs, "CONFIG_DIR", configs)
     message = rejects(job, monkeypatch, "not valid YAML")
     assert "\n" not in message and f"configs/{job}.yaml" in message
-
-
-@pytest.mark.parametrize("job", ["sft", "grpo"])
-def test_libyaml_composition_equals_the_pure_python_one_verl_uses(launch_env, job):
-    # preflight parses YAML with libyaml for speed; verl's entry point uses PyYAML's Python parser
-    overrides = plan_of(job).hydra_overrides()
-    fast = OmegaConf.to_container(composition.compose(job, overrides, libyaml=True))
-    stock = OmegaConf.to_container(composition.compose(job, overrides, libyaml=False))
-    assert repr(fast) == repr(stock)
-    assert len(repr(fast)) > 1000  # a whole verl config, not an empty one
 
 
 def test_args_are_appended_last_and_win(launch_env, monkeypatch):
     monkeypatch.setenv("ARGS", "optim.lr=3e-6 model.override_config.attn_implementation=eager")
     plan = plan_of("sft")
-    assert plan.config.optim.lr == 3e-6
-    assert plan.config.model.override_config.attn_implementation == "eager"
-    # the stack's overrides and the user's ARGS are two fields, joined once with ARGS last
-    assert plan.args == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
-    assert plan.hydra_overrides(["x=1"])[-3:] == ["x=1", *plan.args] and not set(plan.args) & set(plan.overrides)
+    assert plan.spec.cfg.optim.lr == 3e-6
+    assert plan.spec.cfg.model.override_config.attn_implementation == "eager"
+    # the node's choices, CONFIG and the settings, then the user's ARGS: one list, ARGS last
+    assert plan.spec.args == ["optim.lr=3e-6", "model.override_config.attn_implementation=eager"]
+    assert plan.spec.overrides[-2:] == plan.spec.args and not set(plan.spec.args) & set(plan.spec.stack)
 
 
 def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_preflight_says_so(launch_env):
@@ -190,7 +181,7 @@ def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_prefli
         pytest.skip("flash-attn is installed here: the profile's flash_attention_2 stands")
     for job in ("sft", "grpo"):
         plan = plan_of(job)
-        model = plan.config.model if job == "sft" else plan.config.actor_rollout_ref.model
+        model = plan.spec.cfg.model if job == "sft" else plan.spec.cfg.actor_rollout_ref.model
         assert model.override_config.attn_implementation == "flex_attention"
         assert any(n.startswith("attention: flex_attention (flash-attn is not installed") for n in plan.notes)
         # no GPU here: the profile's safe budget and checkpointing stand, and preflight says why
@@ -221,14 +212,14 @@ def test_paths_with_spaces_quotes_and_backslashes_survive_hydra_quoting(launch_e
     once) handed verl a path that does not exist. The same through CONFIG and the tracking overrides."""
     from app.tracking import tracking_overrides
 
-    odd = write_sft(tmp_path / name / "train.parquet")
+    odd = write_sft(tmp_path / name / "train.parquet", rows=64)
     monkeypatch.setenv("TRAIN_FILE", str(odd))
-    assert plan_of("sft").config.data.train_files == str(odd)
+    assert plan_of("sft").spec.cfg.data.train_files == str(odd)
     monkeypatch.delenv("TRAIN_FILE")
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"data": {"train_files": str(odd)}}))
     monkeypatch.setenv("CONFIG", str(tmp_path / "mine.yaml"))
-    assert plan_of("sft").config.data.train_files == str(odd)
-    cfg = composition.compose("grpo", tracking_overrides({"SWANLAB_LOG_DIR": str(odd)}))
+    assert plan_of("sft").spec.cfg.data.train_files == str(odd)
+    cfg = specs.compose("grpo", tracking_overrides({"SWANLAB_LOG_DIR": str(odd)}))
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.SWANLAB_LOG_DIR == str(odd)
 
 
@@ -247,22 +238,52 @@ def test_rejects_multi_node_grpo_without_head_ip(launch_env, monkeypatch):
     rejects("grpo", monkeypatch, "needs HEAD_IP", NNODES="2")
 
 
-def test_rejects_gpus_per_node_that_differs_from_the_visible_gpus(launch_env, monkeypatch):
+@pytest.fixture
+def gpus4(monkeypatch):
+    """What nvidia-smi says on a node with four GPUs (this machine has none), read as CUDA_VISIBLE_DEVICES filters it."""
+    from app import node
+
+    rows = [{"index": str(i), "uuid": f"GPU-{i}aa", "name": "H200", "memory.total": "143771", "driver_version": "580.1",
+             "compute_mode": "Default"} for i in range(4)]
+    monkeypatch.setattr(node, "_driver_rows", lambda: (rows, "nvidia-smi"))
+    node.gpus.cache_clear()
+    yield
+    node.gpus.cache_clear()
+
+
+def test_rejects_gpus_per_node_that_differs_from_the_visible_gpus(launch_env, monkeypatch, gpus4):
     message = rejects("sft", monkeypatch, "sees 2 GPU", CUDA_VISIBLE_DEVICES="0,1", GPUS_PER_NODE="4")
     assert "GPUS_PER_NODE=2" in message
 
 
-def test_cannot_count_gpus_is_a_warning_not_a_failure(launch_env):
-    gpus, _ = pf.count_gpus(None)
-    if gpus is not None:
-        pytest.skip("this machine can count its GPUs")
+@pytest.mark.parametrize("visible, count", [(None, 4), ("", 0), ("-1", 0), ("2,0", 2), ("GPU-3", 1),
+                                            ("0,nonsense,1", 1), ("nonsense", 0), ("0,0", 1)])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(gpus4, visible, count):
+    from app import node
+
+    assert node.gpus(visible).count == count
+
+
+def test_cannot_count_gpus_is_a_warning_and_no_driver_means_no_gpus_whatever_cuda_visible_devices_says(launch_env,
+                                                                                                    monkeypatch):
+    from app import node
+
+    if node.gpus(None).present:
+        pytest.skip("this machine has GPUs")
     plan = plan_of("sft")
     assert any("cannot count GPUs here" in w for w in plan.warnings)
+    assert node.gpus("0,1").count is None and node.gpus("nonsense").count is None
 
 
 def test_rejects_rollout_tp_not_dividing_gpus_per_node(launch_env, monkeypatch):
-    rejects("grpo", monkeypatch, "tensor_model_parallel_size=2 does not divide GPUS_PER_NODE=3",
+    rejects("grpo", monkeypatch, "tensor_model_parallel_size=2 does not divide the run's 3 GPUs",
             GPUS_PER_NODE="3", ARGS="actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    # verl 0.9.1 builds a replica across nodes: a tensor-parallel size over one node's GPUs that divides the run's
+    monkeypatch.setenv("ARGS", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    monkeypatch.setenv("GPUS_PER_NODE", "1")
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("HEAD_IP", "127.0.0.1")
+    assert plan_of("grpo").spec.get("actor_rollout_ref.rollout.tensor_model_parallel_size") == 2
 
 
 def test_rejects_grpo_with_one_sample_per_prompt(launch_env, monkeypatch):
@@ -272,7 +293,9 @@ def test_rejects_grpo_with_one_sample_per_prompt(launch_env, monkeypatch):
 def test_rejects_batch_times_n_not_divisible_by_gpus_without_dynamic_batch(launch_env, monkeypatch):
     args = ("actor_rollout_ref.actor.use_dynamic_bsz=false data.train_batch_size=3 actor_rollout_ref.rollout.n=5 "
             "actor_rollout_ref.actor.ppo_mini_batch_size=3")
-    rejects("grpo", monkeypatch, r"3 x 5 = 15 is not divisible by the 2 GPUs", GPUS_PER_NODE="2", ARGS=args)
+    # verl's own validate_config checks it (the deep check), in its words
+    rejects("grpo", monkeypatch, r"real_train_batch_size \(15\) must be divisible by minimal possible batch size \(2\)",
+            GPUS_PER_NODE="2", ARGS=args)
     # the same numbers pass the batch check once dynamic batch size is on
     monkeypatch.setenv("ARGS", args.replace("use_dynamic_bsz=false", "use_dynamic_bsz=true"))
     plan_of("grpo")
@@ -293,8 +316,9 @@ def test_rejects_sequence_parallel_not_dividing_attention_heads(launch_env, monk
             ARGS="actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 data.train_batch_size=255")
 
 
-def test_rejects_save_freq_that_saves_nothing(launch_env, monkeypatch):
-    rejects("grpo", monkeypatch, r"save_freq=-1 writes no checkpoint", ARGS="trainer.save_freq=-1")
+def test_save_freq_that_saves_nothing_is_verls_own_default_and_said(launch_env, monkeypatch):
+    monkeypatch.setenv("ARGS", "trainer.save_freq=-1")  # verl's recipes keep it: no checkpoints, intended
+    assert [w for w in plan_of("grpo").warnings if w.startswith("trainer.save_freq=-1: this run writes no checkpoint")]
 
 
 def test_rejects_a_logger_whose_package_is_not_installed(launch_env, monkeypatch):
@@ -345,11 +369,15 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
             MODEL_PATH="models/tiny")
     monkeypatch.setenv("MODEL_PATH", launch_env["MODEL_PATH"])
     rejects("sft", monkeypatch, "relative path CKPT_DIR=ckpt", CKPT_DIR="ckpt")
-    # ARGS naming the setting's own run dir relatively: the same place here, but verl gets the text on every node
+    # ARGS naming the run dir relatively: read as CKPT_DIR, so refused the same way
     monkeypatch.chdir(Path(launch_env["CKPT_DIR"]).parent)
-    monkeypatch.setenv("CKPT_DIR", launch_env["CKPT_DIR"])
-    rejects("sft", monkeypatch, "trainer.default_local_dir=run is relative in a 2-node run",
+    monkeypatch.delenv("CKPT_DIR")
+    rejects("sft", monkeypatch, re.escape("relative path CKPT_DIR=run (from ARGS) in a 2-node run"),
             ARGS="trainer.default_local_dir=run")
+    # naming the setting's own run dir relatively beside it: the same place, and verl gets the setting's absolute path
+    monkeypatch.setenv("CKPT_DIR", launch_env["CKPT_DIR"])
+    monkeypatch.setenv("ARGS", "trainer.default_local_dir=run")
+    assert plan_of("sft").spec.cfg.trainer.default_local_dir == launch_env["CKPT_DIR"]
 
 
 @pytest.mark.parametrize("job,args,match", [
@@ -360,17 +388,19 @@ def test_rejects_relative_paths_in_a_multi_node_run(launch_env, monkeypatch):
     ("grpo", "data.train_batch_size=abc", "data.train_batch_size='abc' (text) from ARGS: verl expects a number"),
     ("grpo", "data.train_batch_size=0", "data.train_batch_size=0 from ARGS: it must be a whole number, at least 1"),
     ("sft", "data.train_batch_size=-1", "data.train_batch_size=-1 from ARGS: it must be a whole number, at least 1"),
-    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n='abc' (text) from ARGS: verl expects a whole number"),
+    ("grpo", "actor_rollout_ref.rollout.n=abc", "actor_rollout_ref.rollout.n='abc' (text) from ARGS: verl expects a number"),
     ("sft", "model.enable_gradient_checkpointing=1", "verl expects true or false there"),
     ("grpo", "trainer.save_freq=after_each_epoch", "trainer.save_freq='after_each_epoch' (text) from ARGS: verl expects a number"),
     ("sft", "=5", "the sft config does not compose: Config group override must be a string or a list"),
     ("sft", "optim=[1,2]", "the sft config does not compose"),
     # a whole number by verl's dataclass (RolloutConfig.max_num_seqs: int), though its section's YAML allows floats
-    ("grpo", "actor_rollout_ref.rollout.max_num_seqs=0.5", "max_num_seqs=0.5 from ARGS: verl expects a whole number"),
+    ("grpo", "actor_rollout_ref.rollout.max_num_seqs=0.5", "max_num_seqs=0.5 from ARGS: verl's RolloutConfig takes no "
+     "such value (Value '0.5' of type 'float' could not be converted to Integer)"),
     ("grpo", "trainer.save_freq=2.5", "trainer.save_freq=2.5 is not a whole number of steps"),
-    ("grpo", "data.val_files=null", "ARGS turns data.val_files off, but verl 0.9.1's GRPO always builds its val dataset"),
+    ("grpo", "data.val_files=null", "data.val_files is empty, but verl 0.9.1's GRPO always builds its val dataset"),
     ("grpo", "actor_rollout_ref.model.path=${oc.env:NO_SUCH_VARIABLE_HERE}",
      "ARGS sets actor_rollout_ref.model.path to something that does not resolve"),
+    ("sft", "model.path=/elsewhere", "ARGS sets model.path=/elsewhere, which is MODEL_PATH, but MODEL_PATH="),
 ])
 def test_rejects_values_of_the_wrong_type_or_range_before_verl_meets_them(launch_env, monkeypatch, job, args, match):
     line = rejects(job, monkeypatch, re.escape(match), ARGS=args)
@@ -410,7 +440,7 @@ def test_a_wrong_value_in_the_config_file_is_named_with_its_file(launch_env, mon
     words = tmp_path / "words.yaml"
     words.write_text("trainer:\n  save_freq: after_each_epoch\n  test_freq: after_each_epoch\n")
     monkeypatch.setenv("CONFIG", str(words))
-    assert plan_of("sft").config.trainer.save_freq == "after_each_epoch"
+    assert plan_of("sft").spec.cfg.trainer.save_freq == "after_each_epoch"
 
 
 def test_deep_check_refuses_an_advantage_estimator_verl_does_not_have(launch_env):
@@ -426,43 +456,55 @@ def test_rejects_a_run_directory_that_is_a_file_or_under_one(launch_env, monkeyp
                     "(created where missing)")
     rejects("sft", monkeypatch, f"is under {afile}, which is a file", CKPT_DIR=str(afile / "run" / "x"))
     monkeypatch.setenv("CKPT_DIR", str(tmp_path / "new" / "run"))  # missing: created by the launch
-    assert plan_of("sft").launch.run_dir == tmp_path / "new" / "run"
+    assert plan_of("sft").spec.run_dir == tmp_path / "new" / "run"
 
 
-@pytest.mark.parametrize("job,key,value,setting", [
-    ("sft", "model.path", "/nope", "MODEL_PATH"),
-    ("sft", "trainer.nnodes", "3", "NNODES"),
-    ("sft", "trainer.default_local_dir", "ckpt", "CKPT_DIR"),
-    ("grpo", "actor_rollout_ref.model.path", "/nope", "MODEL_PATH"),
-    ("grpo", "trainer.n_gpus_per_node", "8", "GPUS_PER_NODE"),
-    ("grpo", "data.train_files", "/elsewhere.parquet", "TRAIN_FILE (or DATA_DIR)"),
-    ("grpo", "trainer.experiment_name", "other", "EXPERIMENT"),
-    ("grpo", "ray_kwargs.ray_init.address", "127.0.0.9:6379", "HEAD_IP and RAY_PORT"),
+@pytest.mark.parametrize("job,key,value,setting,composed", [
+    ("sft", "model.path", "{model}", "MODEL_PATH", "{model}"),
+    ("sft", "trainer.nnodes", "3", "NNODES", 3),
+    ("grpo", "trainer.n_gpus_per_node", "8", "GPUS_PER_NODE", 8),
+    ("grpo", "data.train_files", "[{data}/gsm8k/train.parquet,{data}/gsm8k/train.parquet]", "TRAIN_FILE",
+     ["{data}/gsm8k/train.parquet", "{data}/gsm8k/train.parquet"]),
+    ("grpo", "trainer.experiment_name", "other", "EXPERIMENT", "other"),
+    ("grpo", "ray_kwargs.ray_init.address", "127.0.0.9:6390", "HEAD_IP", "127.0.0.9:6390"),
 ])
-def test_args_cannot_override_what_a_setting_decides_and_the_refusal_names_the_setting(launch_env, monkeypatch, job,
-                                                                                         key, value, setting):
-    # preflight checks the setting and torchrun / Ray / the run directory follow it: ARGS winning would split them
-    line = rejects(job, monkeypatch, "ARGS sets", ARGS=f"{key}={value}")
-    assert line.startswith(f"ARGS sets {key}={value}, but this launch takes it from {setting} (")
-    assert line.endswith(f"set {setting} instead and drop {key} from ARGS")
-    # the value the setting gives anyway is harmless (a walkthrough's pasted overrides) and passes
-    monkeypatch.setenv("ARGS", "trainer.nnodes=1 trainer.n_gpus_per_node=1")
-    assert plan_of(job).config.trainer.nnodes == 1
+def test_args_keys_that_a_setting_owns_are_read_as_that_setting(launch_env, monkeypatch, job, key, value, setting,
+                                                                  composed):
+    """verl's own recipes set trainer.experiment_name, data files, node counts in their overrides: taken as the
+    setting (the host mounts its paths, every check reads it), not refused; beside a different value of that
+    setting, one line names both."""
+    fill = {"model": launch_env["MODEL_PATH"], "data": launch_env["DATA_DIR"]}
+    value = value.format(**fill)
+    composed = [c.format(**fill) for c in composed] if isinstance(composed, list) else \
+        composed.format(**fill) if isinstance(composed, str) else composed
+    for name in ("MODEL_PATH", "DATA_DIR"):
+        monkeypatch.delenv(name) if setting == name else None
+    monkeypatch.setenv("ARGS", f"{key}={value}")
+    if setting == "NNODES":
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    settings = load()
+    assert settings.source(setting) == "ARGS" and settings.args == ()
+    spec = specs.read(job, settings)
+    got = spec.get(key)
+    assert (list(got) if isinstance(got, (list, tuple)) or hasattr(got, "__len__") and not isinstance(got, str)
+            else got) == composed
+    # the same key beside a different value of the setting: one line naming both
+    other = {"MODEL_PATH": str(Path(launch_env["MODEL_PATH"]).parent), "NNODES": "2", "GPUS_PER_NODE": "2",
+             "TRAIN_FILE": "/elsewhere.parquet", "EXPERIMENT": "mine", "HEAD_IP": "127.0.0.3"}[setting]
+    monkeypatch.setenv(setting, other)
+    line = rejects(job, monkeypatch, "ARGS sets")
+    assert line.startswith(f"ARGS sets {key}={value}, which is {setting}, but {setting}={other} (from shell): keep one")
 
 
-def test_args_naming_the_settings_own_path_another_way_pass_and_a_list_of_files_is_said(launch_env, monkeypatch,
-                                                                                          tmp_path):
+def test_args_naming_the_settings_own_path_another_way_pass(launch_env, monkeypatch, tmp_path):
     link = tmp_path / "model-link"
     link.symlink_to(launch_env["MODEL_PATH"])
     monkeypatch.setenv("MODEL_PATH", str(link))
-    monkeypatch.setenv("ARGS", f"actor_rollout_ref.model.path={link}/")  # a symlink and a trailing slash
+    monkeypatch.setenv("ARGS", f"actor_rollout_ref.model.path={launch_env['MODEL_PATH']}/")  # the link's target
     plan_of("grpo")
     train = launch_env["DATA_DIR"] + "/gsm8k/train.parquet"
     monkeypatch.setenv("ARGS", f"data.train_files=[{train}]")  # verl's list form of the one file
-    assert plan_of("grpo").launch.train_file == Path(train).resolve()
-    line = rejects("grpo", monkeypatch, "to 2 files", ARGS=f"data.train_files=[{train},{train}]")
-    assert line.endswith("the stack trains on one parquet per split; join them into one file and set "
-                         "TRAIN_FILE (or DATA_DIR) to it")
+    assert plan_of("grpo").spec.files("train") == [Path(train).resolve()]
 
 
 def test_rejects_the_stale_vllm_attention_backend_variable(launch_env, monkeypatch):
@@ -484,7 +526,7 @@ def test_config_command_prints_the_composed_config(launch_env):
 
 def test_shipped_profiles_only_use_keys_verl_declares():
     for job in ("sft", "grpo"):
-        composition.check_profile_keys(job)  # raises on a key verl's packaged config lacks
+        specs.check_keys(job, load())  # raises on a key verl's packaged config lacks
     assert (REPO / "configs" / "sft.yaml").is_file()
 
 
@@ -513,23 +555,23 @@ def lengths_of(path: Path, model: Path) -> list[int]:
 
 def test_preflight_turns_verls_length_filter_off_when_every_prompt_fits(launch_env, monkeypatch):
     plan = plan_of("grpo")
-    assert "data.filter_overlong_prompts=False" in plan.overrides[:2]  # under CONFIG and ARGS
-    assert plan.config.data.filter_overlong_prompts is False
-    assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "8 train and 8 val prompts" in n
+    assert "data.filter_overlong_prompts=False" in plan.spec.choices  # under CONFIG and ARGS
+    assert plan.spec.cfg.data.filter_overlong_prompts is False
+    assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "256 train and 8 val prompts" in n
             and "filter at every start skipped" in n]
     # a user who asks for the filter keeps it, and the count is still said
     monkeypatch.setenv("ARGS", "data.filter_overlong_prompts=True")
     plan = plan_of("grpo")
-    assert plan.config.data.filter_overlong_prompts is True
-    assert "data.filter_overlong_prompts=False" not in plan.hydra_overrides()
+    assert plan.spec.cfg.data.filter_overlong_prompts is True
+    assert "data.filter_overlong_prompts=False" not in plan.spec.overrides
     assert [n for n in plan.notes if n.startswith("prompt lengths: longest ") and "skipped" not in n]
 
 
 def test_preflight_puts_vllms_worker_in_its_engine_core_only_where_a_replica_has_one_gpu(launch_env, monkeypatch):
     key = pf.VLLM_EXECUTOR_KEY
     plan = plan_of("grpo")
-    assert f"++{key}=uni" in plan.overrides[:2]  # under CONFIG and ARGS, like the length filter's choice
-    assert OmegaConf.select(plan.config, key) == "uni"
+    assert f"++{key}=uni" in plan.spec.choices  # under CONFIG and ARGS, like the length filter's choice
+    assert OmegaConf.select(plan.spec.cfg, key) == "uni"
     assert "vLLM executor: uni (its model worker runs inside the EngineCore: one process fewer to start)" in plan.notes
     # verl's validate_config and its own composition take it (the deep check imports verl)
     assert run_app("check", "grpo", env=launch_env).returncode == 0
@@ -537,13 +579,13 @@ def test_preflight_puts_vllms_worker_in_its_engine_core_only_where_a_replica_has
     monkeypatch.setenv("GPUS_PER_NODE", "2")
     monkeypatch.setenv("ARGS", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     plan = plan_of("grpo")
-    assert OmegaConf.select(plan.config, key) is None and not [o for o in plan.hydra_overrides() if key in o]
+    assert OmegaConf.select(plan.spec.cfg, key) is None and not [o for o in plan.spec.overrides if key in o]
     assert "vLLM executor: verl's mp (a rollout replica spans 2 GPUs)" in plan.notes
     # the user's choice stands, and is said
     monkeypatch.setenv("GPUS_PER_NODE", "1")
     monkeypatch.setenv("ARGS", f"+{key}=mp")
     plan = plan_of("grpo")
-    assert OmegaConf.select(plan.config, key) == "mp" and [o for o in plan.hydra_overrides() if key in o] == [f"+{key}=mp"]
+    assert OmegaConf.select(plan.spec.cfg, key) == "mp" and [o for o in plan.spec.overrides if key in o] == [f"+{key}=mp"]
     assert "vLLM executor: mp (from CONFIG or ARGS)" in plan.notes
 
 
@@ -560,7 +602,8 @@ def test_preflight_refuses_prompts_verl_would_truncate_with_the_filter_off(launc
             f"{max(lengths)} tokens) and data.filter_overlong_prompts is off" in line and "cut off their beginnings" in line
             and f"to {max(lengths)} or ARGS='data.filter_overlong_prompts=True'" in line)
     # the rollout's own limit is what verl cuts at: raised above every prompt, nothing is cut and the check passes
-    env["ARGS"] += f" actor_rollout_ref.rollout.prompt_length={max(lengths)}"
+    env["ARGS"] += (f" actor_rollout_ref.rollout.prompt_length={max(lengths)} data.train_batch_size=4 "
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=4")
     assert run_app("check", "grpo", env=env).returncode == 0
     # with verl's filter on, the same prompts are dropped at start: said, and passed where enough are left
     env["ARGS"] = f"data.max_prompt_length={limit} data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4"

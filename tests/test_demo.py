@@ -230,7 +230,7 @@ def test_demo_until_stops_after_that_stage_and_a_rerun_goes_on(tmp_path, monkeyp
     from app.settings import load
 
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
-    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage runs here
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; no stage runs here
     _, stages = demo.plan(load())
     for stage in stages[:5]:  # prep .. eval-sft
         marker = tmp_path / "stages" / f"{stage.name}.json"
@@ -264,7 +264,7 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
 
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("DEMO_UNTIL", "grpo")
-    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage really runs here
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; no stage really runs here
     _, stages = demo.plan(load())
     grpo = next(s for s in stages if s.name == "grpo")
     assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=16" in grpo.env["ARGS"]
@@ -308,7 +308,7 @@ def test_a_grpo_stage_cut_after_its_last_checkpoint_is_not_started_again(tmp_pat
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
     monkeypatch.setenv("DEMO_UNTIL", "grpo")
-    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage really runs here
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; no stage really runs here
     _, stages = demo.plan(load())
     for stage in stages[:5]:  # prep .. eval-sft, as an earlier run leaves them
         marker = tmp_path / "stages" / f"{stage.name}.json"
@@ -349,7 +349,7 @@ def _beside_plan(tmp_path, monkeypatch, eval_code: str, grpo_code: str):
               Stage("grpo", [sys.executable, "-c", grpo_code], {}, "GRPO steps")]
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
     monkeypatch.setenv("DEMO_UNTIL", "grpo")
-    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; the stages here need none
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; the stages here need none
     monkeypatch.setattr(demo, "gpu_shared", lambda: (True, ""))  # nor nvidia-smi to give its compute mode
     monkeypatch.setattr(demo, "plan", lambda settings: (tmp_path, stages))
     return demo
@@ -431,13 +431,6 @@ def test_without_a_shared_gpu_the_eval_runs_before_grpo_and_says_why(tmp_path, m
     assert "beside grpo)" not in out and not (tmp_path / "eval-sft.log").exists()
 
 
-def test_compute_modes_as_nvidia_smi_lists_them():
-    from app.perf import csv_values
-
-    assert csv_values("Default\nExclusive_Process\n\n") == ["Default", "Exclusive_Process"]
-    assert csv_values("") == []
-
-
 def _sigterm_in(seconds: float):
     """SIGTERM's effect in the CLI (app.common.raise_terminated) after `seconds`, through a real signal
     (SIGALRM, so that pytest itself is not terminated); returns what restores the old handler."""
@@ -501,7 +494,7 @@ def test_the_verdict_gives_this_runs_wall_time_and_what_it_went_on_from(tmp_path
     from app.tracking import tracking_env
 
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
-    monkeypatch.setattr(demo, "gpu_count", lambda: 1)  # this machine has none; no stage runs here
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; no stage runs here
     _, stages = demo.plan(load())
     for stage in stages:
         marker = tmp_path / "stages" / f"{stage.name}.json"

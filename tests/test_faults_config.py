@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, assert_one_line_error, make, run_app
 
-from app import composition
+from app import spec as specs
 from app import renames
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -78,11 +78,10 @@ def test_walkthrough_grpo_yaml_lists_every_renamed_key_and_the_removed_sync_mode
 
 @pytest.mark.parametrize("job", ["sft", "grpo"])
 def test_every_new_name_in_the_rename_table_exists_in_verls_config(job):
-    base = composition._verl_base_config(job)
     for old, (new, _) in renames.RENAMED[job].items():
-        assert not composition._known_key(base, old.rstrip(".")) or old.endswith("."), old  # really gone
+        assert not specs.known_key(job, old.rstrip(".")) or old.endswith("."), old  # really gone
         if new is not None and not new.endswith("."):
-            assert composition._known_key(base, new), (old, new)
+            assert specs.known_key(job, new), (old, new)
 
 
 def test_unknown_keys_of_the_profile_and_the_config_file_are_listed_in_one_line(env, tmp_path):
@@ -91,7 +90,7 @@ def test_unknown_keys_of_the_profile_and_the_config_file_are_listed_in_one_line(
     text = (configs / "sft.yaml").read_text()
     (configs / "sft.yaml").write_text(text.replace("  lr: 1e-5", "  lrr: 1e-5"))
     mine = write_yaml(tmp_path / "my.yaml", {"trainer": {"totl_epochs": 2}, "model": {"partial_pretrain": "/m"}})
-    code = (f"import sys; from pathlib import Path; import app.composition as c; c.CONFIG_DIR = Path({str(configs)!r}); "
+    code = (f"import sys; from pathlib import Path; import app.spec as c; c.CONFIG_DIR = Path({str(configs)!r}); "
             "from app.__main__ import main; sys.exit(main(['check', 'sft']))")
     result = subprocess.run([sys.executable, "-c", code], env={**env, "CONFIG": str(mine)}, cwd=REPO,
                             capture_output=True, text=True, timeout=300)
@@ -131,8 +130,8 @@ def test_verls_own_sft_entry_point_composes_the_config_file_layer_as_preflight_d
                                              "trainer": {"save_freq": 7}})
     result = run_app("sft", env={**env, "CONFIG": str(mine), "DRY_RUN": "1", "ARGS": "trainer.test_freq=3"})
     assert result.returncode == 0, result.stderr
-    train = next(line for line in result.stdout.splitlines() if "-m verl.trainer.sft_trainer" in line)
-    args = train.split("-m verl.trainer.sft_trainer", 1)[1].split()
+    train = next(line for line in result.stdout.splitlines() if "rank verl.trainer.sft_trainer" in line)
+    args = train.split("rank verl.trainer.sft_trainer", 1)[1].split()
     assert args[-1] == "trainer.test_freq=3" and "++optim.lr=2e-05" in args
     out = subprocess.run([sys.executable, "-m", "verl.trainer.sft_trainer", *args, "--cfg", "job"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env=env)

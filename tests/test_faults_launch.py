@@ -163,7 +163,7 @@ def test_after_the_worker_and_the_head_are_stopped_the_node_is_as_found(ray_env,
 def foreign_address() -> str:
     """An address that cannot be this machine's: every 127.0.0.0/8 address is, so the IPv6 documentation
     prefix (RFC 3849) stands in. It is compared with this machine's addresses, never contacted."""
-    from app.doctor import interface_addresses
+    from app.node import interface_addresses
 
     candidate = "2001:db8::7"
     if candidate in {a for addresses in interface_addresses().values() for a in addresses}:
@@ -208,4 +208,4 @@ def test_the_grpo_profile_starts_no_dataloader_worker_processes(ray_env, monkeyp
     from app.preflight import preflight
     from app.settings import load
 
-    assert preflight("grpo", load(ray_env)).config.data.dataloader_num_workers == 0
+    assert preflight("grpo", load(ray_env)).spec.cfg.data.dataloader_num_workers == 0

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_app
+from conftest import REPO
 from app import demo, warmup
-from app.composition import compose
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from stack_files import write_data_dir  # noqa: E402
+from app.runs import read_model
+from app.spec import compose
 
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402  (imports TransferQueue: pyproject.toml)
 
@@ -50,56 +48,11 @@ def test_verl_builds_the_demos_buffer_as_its_own_but_polling_every_tenth_of_a_se
     assert mine == verls and mine["train_batch_size"] == mine["gen_batch_size"] == demo.GRPO_BATCH
 
 
-def dry_grpo_head_error(tmp_path: Path, model: Path, args: list[str]) -> str:
-    """`DRY_RUN=1 python -m app grpo-head` with these ARGS; its one error line (asserted to be one)."""
-    env = {"MODEL_PATH": str(model), "DATA_DIR": str(write_data_dir(tmp_path / "data")),
-           "CKPT_DIR": str(tmp_path / "run"), "DRY_RUN": "1", "ARGS": " ".join(args)}
-    return assert_one_line_error(run_app("grpo-head", env=env))
-
-
-@pytest.mark.parametrize("extra, named", [
-    (["data.train_batch_size=32"], "sampler_kwargs.train_batch_size=64 (data.train_batch_size=32)"),
-    (["trainer.v1.sampler.sync_refill_failed_groups=true"], "sync_refill_failed_groups=true"),
-    (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
-     "algorithm.filter_groups.enable=true"),
-    (["data.gen_batch_size=32"], "data.gen_batch_size=32"),
-    (["+trainer.v1.sampler.sampler_kwargs.poll_interval=-1"], "sampler_kwargs.poll_interval=-1 (at least 0.01"),
-    (["+trainer.v1.sampler.sampler_kwargs.poll_interval=0"], "sampler_kwargs.poll_interval=0 (at least 0.01"),
-    # another spelling of the same module, which verl loads as well
-    (["trainer.v1.sampler.custom_sampler.path=pkg://app/replay", "trainer.v1.trainer_mode=colocate_async"],
-     "trainer.v1.trainer_mode=colocate_async"),
-])
-def test_preflight_refuses_the_quick_poll_buffer_where_verl_would_pass_it_options_it_drops(extra, named, tmp_path,
-                                                                                          tiny_model_dir):
-    args = [a for a in demo.GRPO_ARGS if not (a.startswith("+trainer.v1.sampler.sampler_kwargs.poll_interval")
-                                              and any("poll_interval" in e for e in extra))]
-    last = dry_grpo_head_error(tmp_path, tiny_model_dir, [*args, *extra])
-    assert last.startswith("error: trainer.v1.sampler.custom_sampler is app.replay's QuickPollReplayBuffer")
-    assert named in last and "drop the custom_sampler overrides" in last
-
-
-@pytest.mark.parametrize("path, says", [("pkg://app.no_such_module", "no such module"),
-                                         ("file://no/such/file.py", "no such file")])
-def test_preflight_refuses_a_custom_sampler_path_verl_would_not_find(path, says, tmp_path, tiny_model_dir):
-    last = dry_grpo_head_error(tmp_path, tiny_model_dir, [*demo.GRPO_ARGS, f"trainer.v1.sampler.custom_sampler.path={path}"])
-    assert last.startswith(f"error: trainer.v1.sampler.custom_sampler.path={path}: verl would find {says} here")
-
-
-def test_preflight_names_the_class_and_keys_app_replay_defines():
-    from app import preflight, replay
-
-    assert preflight.QUICK_POLL_FILE == Path(replay.__file__) and preflight.QUICK_POLL_CLASS == QuickPollReplayBuffer.__name__
-    assert preflight.QUICK_POLL_KEYS == (replay.POLL_KEY, replay.BATCH_KEY) and preflight.QUICK_POLL_MIN == replay.MIN_POLL
-    demo_path = next(a.split("=", 1)[1] for a in demo.GRPO_ARGS if a.startswith("trainer.v1.sampler.custom_sampler.path="))
-    assert preflight._sampler_module(demo_path) == ("app.replay", Path(replay.__file__).resolve())
-
-
 # --- the vLLM model-info warm-up ------------------------------------------------------------------------
 def test_warmup_reads_the_architectures_vllm_will_inspect(tiny_model_dir, tmp_path):
-    assert warmup.architectures(tiny_model_dir) == ["Qwen2ForCausalLM"]
+    assert read_model(tiny_model_dir).architectures == ["Qwen2ForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    assert warmup.architectures(tmp_path) == [] and warmup.architectures(tmp_path / "missing") == []
+    assert read_model(tmp_path).architectures == [] and read_model(tmp_path / "missing").architectures == []
     assert warmup.start(tmp_path, tmp_path / "log", {}) is None  # nothing to warm: no process
 
 

@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,9 @@ def test_sft_dry_run_prints_the_torchrun_line_and_environment_after_preflight(ba
     out = result.stdout
     assert "ok: train file:" in out  # preflight ran first
     run = base_env["CKPT_DIR"]
-    assert (f"-m torch.distributed.run --nnodes 1 --nproc-per-node 1 --log-dir {run}/logs/torchrun --standalone "
-            "-m verl.trainer.sft_trainer") in out
+    # torchrun's own CLI through app.rendezvous (one line instead of its tracebacks), which starts verl's trainer
+    assert (f"-m app.rendezvous torchrun --nnodes 1 --nproc-per-node 1 --log-dir {run}/logs/torchrun --standalone "
+            "-m app.rendezvous rank verl.trainer.sft_trainer") in out
     assert f"--config-dir {REPO / 'configs'} --config-name sft" in out
     assert out.rstrip().endswith("optim.lr=2e-5")  # ARGS last
     assert "export SWANLAB_MODE=local" in out and "export VERL_FILE_LOGGER_PATH=" in out
@@ -98,9 +100,68 @@ def test_two_node_torchrun_rendezvous_over_gloo_meets_and_finishes(base_env, tmp
         assert seen["file_logger"].startswith(str(tmp_path / f"node{rank}" / "run" / "logs"))
         assert "SFT finished" in logs[rank]
     assert not (tmp_path / "node0" / "run" / "rank1.json").exists()  # each node writes its own disk
+    # each node's start-up, phase by phase; node 0's rank 0 printed the first step, and the summary after it
+    from app.timeline import read
+
+    for rank in (0, 1):
+        phases = [p for p, _ in read(tmp_path / f"node{rank}" / "run" / "logs" / f"timeline-node{rank}.jsonl")]
+        assert phases[:3] == ["preflight done", "torchrun started", "nodes agreed, trainer starts"], phases
+    assert phases_of_node0_end(tmp_path) == "first step done" and "start-up on this node" in logs[0]
     # torchrun's attempt files stay with each node's run, none in the temp dir
     assert all(any((tmp_path / f"node{rank}" / "run" / "logs" / "torchrun").iterdir()) for rank in (0, 1))
     assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic_dirs
+
+
+def phases_of_node0_end(tmp_path: Path) -> str:
+    from app.timeline import read
+
+    return read(tmp_path / "node0" / "run" / "logs" / "timeline-node0.jsonl")[-1][0]
+
+
+def two_sft_nodes(base_env: dict[str, str], tmp_path: Path, node1: dict[str, str]) -> tuple[list[int], list[str]]:
+    """Two `make sft` nodes over gloo on this machine, node 1 with `node1` changed; their exit codes and logs."""
+    port = free_port()
+    nodes = []
+    for rank in (0, 1):
+        env = {**base_env, "NNODES": "2", "NODE_RANK": str(rank), "GPUS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STACK_RENDEZVOUS_TIMEOUT": "120",
+               "CKPT_DIR": str(tmp_path / f"node{rank}" / "run"), **(node1 if rank else {})}
+        nodes.append(start_app("sft", env, tmp_path / f"node{rank}.log"))
+    try:
+        codes = [node.wait(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            stop_group(node, grace=10)
+    return codes, [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differs", ["ARGS", "MODEL_PATH", "data file", "NNODES"])
+def test_two_sft_nodes_that_run_different_runs_stop_before_training_naming_the_node_and_keys(
+        base_env, tmp_path, tiny_model_dir, differs):
+    """The README's promise, checked: the same line on every node, only NODE_RANK differs. A node with other ARGS,
+    another model or data set, or another NNODES, stops every node at the rendezvous, before verl's trainer."""
+    import shutil
+
+    from stack_files import write_sft
+
+    node1, said = {  # node 1's change, and what node 0 / node 1 say of it
+        "ARGS": ({"ARGS": "optim.lr=1e-3"}, ["optim.lr: 1e-05 on node 0, 0.001 on node 1",
+                                             "optim.lr: 0.001 on node 1, 1e-05 on node 0"]),
+        "MODEL_PATH": ({"MODEL_PATH": str(shutil.copytree(tiny_model_dir, tmp_path / "copy"))}, ["model.path: "] * 2),
+        "data file": ({"TRAIN_FILE": str(write_sft(tmp_path / "other.parquet", rows=64, start=500))},
+                      ["data.train_files: "] * 2),
+        "NNODES": ({"NNODES": "4"}, ["NNODES: 2 on node 0, 4 on node 1", "NNODES: 4 on node 1, 2 on node 0"]),
+    }[differs]
+    codes, logs = two_sft_nodes(base_env, tmp_path, node1)
+    for rank, other in ((0, 1), (1, 0)):
+        last = [line for line in logs[rank].splitlines() if line.strip()][-1]
+        errors = [line for line in logs[rank].splitlines() if line.startswith("error:") or "Traceback" in line]
+        assert codes[rank] != 0 and errors == [last], logs[rank][-3000:]
+        assert last.startswith(f"error: node {rank} does not run the same run as node {other} ("), last
+        assert last.endswith("(only NODE_RANK differs), then start every node again")
+        assert said[rank] in last, last
+        assert not (tmp_path / f"node{rank}" / "run" / f"rank{rank}.json").exists()  # verl's trainer never started
 
 
 @pytest.mark.slow
@@ -171,11 +232,60 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
         assert task["VLLM_DISABLE_COMPILE_CACHE"] == "0"
     head_text = head_log.read_text()
     assert "cluster ready:" in head_text and "127.0.0.2 (1 GPU)" in head_text
+    # the head's start-up, phase by phase: its own stamps and those read off verl's lines (the stand-in prints them)
+    from app.timeline import read
+
+    assert [p for p, _ in read(run / "logs" / "timeline-head.jsonl")] == [
+        "preflight done", "Ray head up", "all nodes joined", "driver started", "trainer workers ready",
+        "vLLM engines ready", "ready to fit", "first step done"]
+    assert "start-up on this node" in head_text
+    assert [p for p, _ in read(run / "logs" / "timeline-worker-127.0.0.2.jsonl")] == ["preflight done",
+                                                                                     "the head answers"]
     # each node's warm-up of vLLM's cache ran to its end (where vLLM is not installed, it says so)
     end = "done in " if importlib.util.find_spec("vllm") else "vLLM is not importable here ("
     for log in ("vllm-warmup.log", "vllm-warmup-127.0.0.2.log"):
         lines = (run / "logs" / log).read_text().strip().splitlines()
         assert lines and lines[-1].startswith(end), lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differs", ["ARGS", "MODEL_PATH", "data file", "NNODES"])
+def test_a_ray_worker_that_runs_another_run_is_refused_as_it_joins_and_both_nodes_say_so(ray_env, tmp_path,
+                                                                                      tiny_model_dir, differs):
+    import shutil
+
+    from stack_files import write_rl
+
+    change, said = {
+        "ARGS": ({"ARGS": "actor_rollout_ref.actor.optim.lr=1e-5"}, "actor_rollout_ref.actor.optim.lr: 1e-05 on "
+                 "the node at 127.0.0.2, 1e-06 on the head"),
+        "MODEL_PATH": ({"MODEL_PATH": str(shutil.copytree(tiny_model_dir, tmp_path / "copy"))},
+                       "actor_rollout_ref.model.path: "),
+        "data file": ({"TRAIN_FILE": str(write_rl(tmp_path / "other.parquet", rows=256, start=500))},
+                      "data.train_files: "),
+        "NNODES": ({"NNODES": "4"}, "NNODES: 4 on the node at 127.0.0.2, 2 on the head"),
+    }[differs]
+    env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "300"}
+    worker_args = f"--num-gpus 1 --num-cpus 1 --dashboard-agent-listen-port {free_port()}"
+    head_log, worker_log = tmp_path / "head.log", tmp_path / "worker.log"
+    worker = start_app("grpo-worker", {**env, "NODE_IP": "127.0.0.2", "RAY_START_ARGS": worker_args, **change},
+                       worker_log)
+    head = None
+    try:
+        time.sleep(3)
+        head = start_app("grpo-head", env, head_log)
+        codes = [head.wait(timeout=500), worker.wait(timeout=180)]
+    finally:
+        for process in (head, worker):
+            if process is not None:
+                stop_group(process)
+    for code, log in zip(codes, (head_log, worker_log)):
+        text = log.read_text()
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        assert code != 0 and last.startswith("error: the node at 127.0.0.2 does not run the same run as the head ("), \
+            text[-3000:]
+        assert said in last and "Traceback" not in text
+    assert not (Path(env["CKPT_DIR"]) / "driver.json").exists()  # the driver never ran
 
 
 @pytest.mark.slow

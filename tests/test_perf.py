@@ -104,8 +104,8 @@ def test_preflight_refuses_a_budget_that_cannot_fit_and_says_the_largest(sft_pla
     monkeypatch.setenv("ARGS", "data.max_token_len_per_gpu=65536 model.enable_gradient_checkpointing=false")
     plan = _preflight_sft()
     with pytest.raises(UserError, match=r"data.max_token_len_per_gpu=65536 does not fit .* at most 16384"):
-        perf.check_budgets(plan.launch, plan.config, gpu=H100_80)
-    perf.check_budgets(plan.launch, plan.config, gpu=H200 * 2)  # a card twice an H200's size holds it
+        perf.check_budgets(plan.spec, gpu=H100_80)
+    perf.check_budgets(plan.spec, gpu=H200 * 2)  # a card twice an H200's size holds it
 
 
 def test_a_dense_mask_attention_gets_a_budget_that_holds_its_tokens_x_tokens_mask(tmp_path):
@@ -127,28 +127,32 @@ def test_sdpa_from_args_or_config_gets_the_smaller_budget_and_an_oversized_one_i
                                "model.enable_gradient_checkpointing=false")
     plan = _preflight_sft()
     with pytest.raises(UserError, match=r"32768 does not fit .* and sdpa's tokens x tokens mask .* at most \d+"):
-        perf.check_budgets(plan.launch, plan.config, gpu=H200)
+        perf.check_budgets(plan.spec, gpu=H200)
     monkeypatch.setenv("ARGS", "model.override_config.attn_implementation=flex_attention "
                                "data.max_token_len_per_gpu=32768 model.enable_gradient_checkpointing=false")
-    perf.check_budgets(plan.launch, _preflight_sft().config, gpu=H200)  # the same budget holds without the mask
+    perf.check_budgets(_preflight_sft().spec, gpu=H200)  # the same budget holds without the mask
 
 
 def test_preflight_chooses_the_budget_again_when_args_pick_sdpa(sft_plan, monkeypatch):
-    monkeypatch.setattr(perf, "gpu_memory_bytes", lambda: H200)  # the card preflight would read with nvidia-smi
+    from app import node
+
+    # the card preflight would read with nvidia-smi, which this machine lacks
+    h200 = node.Gpus(1, "a test's H200", ({"memory.total": str(H200 // 2**20)},), 1)
+    monkeypatch.setattr(node, "gpus", lambda visible: h200)
     plan = _preflight_sft()
-    node_choice = plan.config.data.max_token_len_per_gpu
+    node_choice = plan.spec.cfg.data.max_token_len_per_gpu
     monkeypatch.setenv("ARGS", "model.override_config.attn_implementation=sdpa")
     plan = _preflight_sft()
     dense = perf.token_budget(perf.model_shape(sft_plan), H200, gpus=1, dense_mask=True)
-    assert plan.config.data.max_token_len_per_gpu == dense.tokens < node_choice
+    assert plan.spec.cfg.data.max_token_len_per_gpu == dense.tokens < node_choice
     assert any(n.startswith(f"token budget: {dense.tokens} tokens per GPU") for n in plan.notes)
-    perf.check_budgets(plan.launch, plan.config, gpu=H200)  # and the check agrees that it fits
+    perf.check_budgets(plan.spec, gpu=H200)  # and the check agrees that it fits
 
 
 def test_preflight_refuses_a_model_that_cannot_train_on_the_gpus(sft_plan):
     plan = _preflight_sft()
     with pytest.raises(UserError, match="does not fit 1 GPU"):
-        perf.check_budgets(plan.launch, plan.config, gpu=16 * GIB)
+        perf.check_budgets(plan.spec, gpu=16 * GIB)
 
 
 # --- log-probs: verl's fused kernel, not its per-token fallback ------------------------------------------

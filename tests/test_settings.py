@@ -111,11 +111,9 @@ def test_secrets_are_never_printed(dotenv):
     (["grpo-worker"], "NODE_IP", "node1", "NODE_IP='node1' is not an IP address"),
     (["grpo-head"], "DASHBOARD_HOST", "0.0.0.0.0", "DASHBOARD_HOST='0.0.0.0.0' is not an IP address"),
     (["grpo-head"], "RAY_PORT", "70000", "RAY_PORT='70000' is not a port number 1-65535"),
-    (["doctor"], "RAY_PORT", "abc", "RAY_PORT='abc' is not a port number 1-65535"),
     (["check", "sft"], "MASTER_PORT", "99999", "MASTER_PORT='99999' is not a port number 1-65535"),
     (["board"], "BOARD_PORT", "0", "BOARD_PORT='0' is not a port number 1-65535"),
     (["board"], "BOARD_HOST", "localhost", "BOARD_HOST='localhost' is not an IPv4 address"),
-    (["doctor"], "GPUS_PER_NODE", "abc", "GPUS_PER_NODE='abc' is not a whole number >= 0"),
     (["check", "sft"], "GPUS_PER_NODE", "abc", "GPUS_PER_NODE='abc' is not a whole number >= 0"),
     (["sft"], "GPUS_PER_NODE", "-2", "GPUS_PER_NODE='-2' is not a whole number >= 0"),
     (["grpo-head"], "NNODES", "0", "NNODES='0' is not a whole number >= 1"),
@@ -139,10 +137,18 @@ def test_a_bad_value_is_refused_in_one_line_naming_the_variable(command, name, v
 
 
 def test_a_bad_value_in_dotenv_says_it_came_from_dotenv(dotenv):
-    result = app_with(dotenv, "doctor", text="GPUS_PER_NODE=abc\nMODEL_PATH=/nonexistent\n")
+    result = app_with(dotenv, "check", "sft", text="GPUS_PER_NODE=abc\nMODEL_PATH=/nonexistent\n")
     line = assert_one_line_error(result)
     assert line.startswith("error: GPUS_PER_NODE='abc' (from .env) is not a whole number >= 0"), line
     assert "MODEL_PATH" not in line
+
+
+def test_doctor_lists_every_bad_value_as_a_red_line_beside_its_other_checks(dotenv):
+    result = app_with(dotenv, "doctor", text="GPUS_PER_NODE=abc\nRAY_PORT=70000\nJOB=ppo\n")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    red = [line.split(None, 2)[2] for line in result.stdout.splitlines() if line.startswith("  FAIL  settings")]
+    assert [line.split("=")[0] for line in red] == ["GPUS_PER_NODE", "RAY_PORT", "JOB"], result.stdout
+    assert "(from .env) is not a whole number >= 0" in red[0] and any(" /dev/shm " in line for line in result.stdout.splitlines())
 
 
 def test_a_command_is_not_refused_for_a_variable_it_does_not_read(dotenv):
@@ -180,11 +186,10 @@ def test_containers_get_every_pass_through_setting_of_the_registry_by_name():
     assert result.returncode == 0 and result.stdout.split() == st.passthrough_names()
 
 
-def test_readme_tables_in_english_and_chinese_are_the_registrys():
-    text = (REPO / "README.md").read_text()
-    assert st.readme_with_tables(text) == text, "run `python -m app settings --write`"
-    english, chinese = text.split("## 中文快速开始", 1)
-    assert st.render_readme_table(zh=False) in english and st.render_readme_table(zh=True) in chinese
+def test_the_settings_page_in_english_and_chinese_is_the_registrys():
+    text = (REPO / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert text == st.render_settings_doc(), "run `python -m app settings --write`"
+    english, chinese = text.split("## 中文", 1)
     for var in st.REGISTRY:
         assert var.zh and var.doc, var.name
         assert f"| `{var.name}` |" in english and f"| `{var.name}` |" in chinese

@@ -1,0 +1,120 @@
+"""Where a launch's start-up goes: every launch (SFT and GRPO, every node) stamps its phases into
+<run>/logs/timeline-<node>.jsonl, seconds since the launch's process started, and prints a one-screen summary once
+the first step is done. `make report` draws it; the demo's verdict includes it.
+
+The launch stamps what it does itself (preflight, torchrun or Ray up, all nodes joined, the driver started); the
+rest is read off the lines verl 0.9.1 prints as it goes (its logger's own words, below), which the launch copies
+through unchanged: no patch of verl.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+# (phase, what verl 0.9.1 prints when it ends): trainer/ppo/v1/trainer_base.py's _setup, in its order
+VERL_LINES = (("trainer workers ready", "actor and ref model engine initialized"),
+              ("vLLM engines ready", "checkpoint engine manager initialized"),
+              ("ready to fit", "all initialize finished, ready to fit"))
+FIRST_STEP = re.compile(r"\bstep:1 - ")  # verl's console logger: the first step's metrics, SFT and GRPO alike
+FIRST_STEP_PHASE = "first step done"
+
+
+def started_at() -> float:
+    """When this launch's process started (the user's Enter, give or take the interpreter's start)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class Timeline:
+    """One node's phase stamps of one launch; a new launch starts a new file."""
+
+    def __init__(self, path: Path, started: float, new: bool = True):
+        self.path, self.started = path, started
+        self.summarised = False
+        if new:  # else another process's, appended to
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def stamp(self, phase: str) -> None:
+        """Record `phase` as done now, once (the rank entry of app.rendezvous appends to the same file)."""
+        if phase in {p for p, _ in read(self.path)}:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:  # one short line, O_APPEND: whole or not at all
+            handle.write(json.dumps({"phase": phase, "t": round(time.time() - self.started, 1)}) + "\n")
+
+    def watch(self, line: str) -> None:
+        """A line the launch's child printed: stamp the phase it ends; after the first step, the summary."""
+        for phase, text in VERL_LINES:
+            if text in line:
+                self.stamp(phase)
+        if FIRST_STEP.search(line) and not self.summarised:
+            self.stamp(FIRST_STEP_PHASE)
+            self.summarised = True
+            print(summary(self.path), flush=True)
+
+
+def read(path: Path) -> list[tuple[str, float]]:
+    """(phase, seconds) in the order they happened; unreadable lines (a kill mid-write) are left out."""
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+            out.append((str(record["phase"]), float(record["t"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(out, key=lambda item: item[1])
+
+
+def summary(path: Path) -> str:
+    """The start-up as one screen: each phase, when it ended, how long it took, its share of the whole."""
+    phases = read(path)
+    if not phases:
+        return f"start-up: no phases recorded in {path}"
+    total = phases[-1][1] or 1.0
+    rows = [f"start-up on this node, {total:.0f} s to {phases[-1][0]} ({path}):",
+            f"  {'phase':<24}{'at s':>8}{'took s':>9}{'share':>8}"]
+    before = 0.0
+    for phase, at in phases:
+        rows.append(f"  {phase:<24}{at:>8.1f}{at - before:>9.1f}{(at - before) / total:>8.0%}")
+        before = at
+    return "\n".join(rows)
+
+
+def draw(run: Path, out: Path) -> tuple[list[str], str]:
+    """`make report`'s part: startup.png (each node's phases as one bar) and the summaries' text, for every
+    timeline in <run>/logs; ([], "") where there is none."""
+    paths = sorted((run / "logs").glob("timeline-*.jsonl")) if run.is_dir() else []
+    nodes = [(path.stem.removeprefix("timeline-"), read(path)) for path in paths]
+    nodes = [(name, phases) for name, phases in nodes if phases]
+    if not nodes:
+        return [], ""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(nodes)))
+    colours = plt.get_cmap("tab10")
+    order = list(dict.fromkeys(phase for _, phases in nodes for phase, _ in phases))
+    for row, (name, phases) in enumerate(nodes):
+        before = 0.0
+        for phase, at in phases:
+            ax.barh(row, at - before, left=before, color=colours(order.index(phase) % 10),
+                    label=phase if row == 0 or phase not in {p for _, ps in nodes[:row] for p, _ in ps} else None)
+            before = at
+    ax.set_yticks(range(len(nodes)), [name for name, _ in nodes])
+    ax.set_xlabel("seconds since the launch")
+    ax.set_title(f"start-up, phase by phase: {run.name}")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4)
+    fig.tight_layout()
+    fig.savefig(out / "startup.png", dpi=110)
+    plt.close(fig)
+    return ["startup.png"], "\n\n".join(summary(path) for path in paths)
