@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, say, warn
+from app.common import ArgParser, UserError, atomic_path, check_room, refuse_symlink_loop, resolved, say, warn
 from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
                       step_dir, steps_in)
 from app.settings import Settings
@@ -68,7 +68,7 @@ def _step_dir_layout(step_dir: Path) -> tuple[Path, str]:
 
 def locate(ckpt_dir: Path, step: str | None) -> Located:
     """Resolve CKPT_DIR + STEP to the directory of one step's shards, with one-line errors."""
-    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
     if not ckpt_dir.exists():
         raise UserError(f"CKPT_DIR {ckpt_dir} does not exist: set CKPT_DIR to the run directory that holds "
                         "global_step_N/ (on this node, or mounted here)")
@@ -362,7 +362,8 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map: dict[str, str] = {}
     total = sum(sizes[source] for _, source in plan)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards") as bar:
+    # disable=None: a bar on a terminal, nothing in logs (so a failure midway stays one line there)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards", disable=None) as bar:
         for group, filename in zip(groups, files):
             before = bar.n
             pieces = pieces_of([source for _, source in group], bar)
@@ -492,20 +493,43 @@ def fold_lora(directory: Path) -> None:
             shutil.copy2(entry, directory / entry.name)
 
 
+def merged_bytes(shards: ShardSet) -> int:
+    """About what a merge of `shards` writes: the weights in bf16 (verl's merger casts to it), a tied alias
+    (lm_head.weight of a model that ties it to its embedding) once; a LoRA merge keeps the base model beside
+    the folded one: twice that. From rank 0's memory-mapped shard (a DTensor's numel is the global count)."""
+    from transformers import AutoConfig
+
+    state = _load_mmap(shards.files[0])
+    sizes = {key: value.numel() * 2 for key, value in state.items() if hasattr(value, "numel")}
+    del state
+    try:
+        tied = getattr(AutoConfig.from_pretrained(shards.directory / "huggingface"), "tie_word_embeddings", False)
+    except Exception:  # noqa: BLE001 - an estimate; the merge itself refuses a broken config in its own line
+        tied = False
+    if tied:
+        sizes.pop("lm_head.weight", None)
+    lora = sum(size for key, size in sizes.items() if "lora_" in key)
+    base = sum(sizes.values()) - lora
+    return 2 * base + lora if lora else base
+
+
 def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engine: str = "stream",
           file_bytes: int = STREAM_FILE_BYTES) -> Path:
     """Check, merge into a temporary directory, verify, then rename into OUT_DIR. Returns OUT_DIR."""
     where = locate(ckpt_dir, step)
     shards = check_complete(where.shard_dir)
-    out = Path(out or merged_model_dir(where.run_name, where.step)).expanduser().resolve()
+    out = resolved(out or merged_model_dir(where.run_name, where.step), "OUT_DIR")
     if out.exists() and not force:
         raise UserError(f"OUT_DIR {out} already exists: set FORCE=1 to replace it, or choose another OUT_DIR")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT_DIR {out} is a file: choose a directory path for OUT_DIR")
     _remove_leftovers(out)
+    needed = merged_bytes(shards)
     say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {where.shard_dir} "
-        f"into {out}")
-    with atomic_path(out, "OUT_DIR") as tmp:
+        f"into {out} (about {needed / 2**30:.2f} GiB)")
+    # a full OUT_DIR disk is refused before minutes of merging, and is one line (NoRoom) if it fills anyway
+    with atomic_path(out, "OUT_DIR", needed=needed, what="the merged model",
+                     needs="its weights alone need about") as tmp:
         if engine == "verl":
             merge_with_verl(shards, tmp)
         elif engine == "stream":
@@ -622,7 +646,7 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
 
     from tqdm import tqdm
 
-    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
     nodes = parse_nodes(nodes_text or "", ckpt_dir, environ)
     if not nodes and not ckpt_dir.is_dir():
         raise UserError(f"no run directory {ckpt_dir} on this node and no NODES to pull from: set CKPT_DIR to "
@@ -694,9 +718,10 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
         raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
                         "run; remove them")
     total = sum(size for _, size in wanted.values())
+    check_room(local_step, total, "CKPT_DIR", f"the {len(wanted)} files of step {spec}", "they need")
     say(f"gathering {len(wanted)} files ({total / 2**30:.2f} GiB) of step {spec} from "
         f"{len({n.spec for n, _ in wanted.values()})} node(s) into {local_step}")
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Gathering shards") as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Gathering shards", disable=None) as bar:  # as merge's
         for rel, (node, size) in sorted(wanted.items()):
             _copy_with_progress(node, f"{step_rel}/{rel}", local_step / rel, size, bar)
     if not (ckpt_dir / LATEST_FILE).is_file():
@@ -708,6 +733,14 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
 
 
 # --- CLI ------------------------------------------------------------------------------------------
+
+def _refuse_loops(ckpt_dir: str | None, settings: Settings) -> None:
+    """A CKPT_DIR through a symlink loop, one line naming it (default_run_dir resolves it: RuntimeError)."""
+    path = ckpt_dir or settings["CKPT_DIR"]
+    if path:
+        refuse_symlink_loop(path, "CKPT_DIR")
+
+
 def _merge_main(argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
     parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
@@ -720,6 +753,7 @@ def _merge_main(argv: list[str], settings: Settings) -> int:
     parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
                         help="size of each output safetensors file (stream engine; memory is about twice it)")
     args = parser.parse_args(argv)
+    _refuse_loops(args.ckpt_dir, settings)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
     merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
           file_bytes=int(args.file_mb * 2**20))
@@ -733,6 +767,7 @@ def _gather_main(argv: list[str], settings: Settings) -> int:
     parser.add_argument("--nodes", default=settings["NODES"],
                         help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
     args = parser.parse_args(argv)
+    _refuse_loops(args.ckpt_dir, settings)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
     gather(ckpt_dir, args.step, args.nodes, settings.environ())
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -120,11 +122,14 @@ def unwritable(path: Path, reason: str, setting: str | None = None) -> UserError
 def writable_dir(directory: Path, setting: str | None = None) -> Path:
     """Create `directory` if needed and check that this process may create files in it (else UserError)."""
     directory = Path(directory)
+    refuse_symlink_loop(directory, setting)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise unwritable(directory, "a file is in the way (not a directory)", setting) from None
     except OSError as exc:
+        if exc.errno in NO_ROOM:
+            raise NoRoom(directory, setting, None, directory.name, exc.errno) from None
         reason = exc.strerror or type(exc).__name__
         if exc.filename and str(exc.filename) != str(directory):
             reason += f" at {exc.filename}"
@@ -142,35 +147,232 @@ def _read_only_mount(directory: Path) -> bool:
         return False
 
 
+# --- paths the user gives -----------------------------------------------------------------------------
+
+def symlink_loop(path: Path) -> Path | None:
+    """The first component of `path` that is a symbolic link loop (a link that, followed, comes back to
+    itself), or None. pathlib reads such a path as absent (exists() is False) and resolve() raises
+    RuntimeError, so without this a loop is "does not exist", replaced by a rename, or an internal error."""
+    path = Path(path).expanduser()
+    try:
+        os.stat(path)
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return None
+    for prefix in [*reversed(path.parents), path]:  # the shortest prefix that loops is the culprit
+        try:
+            os.stat(prefix)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return prefix
+    return path
+
+
+def refuse_symlink_loop(path: Path | str, setting: str | None = None) -> None:
+    """One line naming the link where `path` (the value of `setting`) runs through a symbolic link loop."""
+    loop = symlink_loop(Path(path))
+    if loop is None:
+        return
+    named = f" ({setting})" if setting else ""
+    try:
+        target = f" -> {os.readlink(loop)}"
+    except OSError:
+        target = ""
+    inside = "" if loop == Path(path).expanduser() else f"{path}{named}: "
+    raise UserError(f"{inside}{loop}{'' if inside else named} is a symbolic link that loops back on itself{target}, "
+                    f"so nothing can be read or written through it: point {setting or 'the path'} at a real "
+                    f"file or directory, or repoint the link (ln -sfn TARGET {loop})")
+
+
+def resolved(path: Path | str, setting: str | None = None) -> Path:
+    """`path` made absolute with links resolved, for a path the user gave (a loop refused in one line)."""
+    refuse_symlink_loop(path, setting)
+    return Path(path).expanduser().resolve()
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a regular file, as the end of a sentence about it; None where it can.
+    stat only, never open: opening a FIFO blocks until some other process writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link that loops back on itself"
+        return f"cannot be read ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a file: reading it would wait for a writer forever"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a file"
+    return "is a device, not a file"
+
+
+# --- full disks ---------------------------------------------------------------------------------------
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+# How writers that do not raise a plain OSError say it: safetensors (Rust: "os error 28", StorageFull),
+# pyarrow's "[errno 28]" detail, a library that wraps the OSError in its own exception.
+_NO_ROOM_TEXT = ((re.compile(r"No space left on device|os error 28\b|StorageFull"), errno.ENOSPC),
+                 (re.compile(r"Disk quota exceeded|os error 122\b|QuotaExceeded"), errno.EDQUOT))
+
+
+def no_room_errno(exc: BaseException | None) -> int | None:
+    """ENOSPC or EDQUOT where `exc`, or an exception it came from, is a full disk or an exhausted quota."""
+    seen = set()
+    while exc is not None and id(exc) not in seen and not isinstance(exc, UserError):
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+            return exc.errno
+        for pattern, number in _NO_ROOM_TEXT:
+            if pattern.search(str(exc)):
+                return number
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _existing(path: Path) -> Path:
+    return next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Bytes this user may still write on the disk of `directory` (or of the nearest directory above it)."""
+    try:
+        fs = os.statvfs(_existing(Path(directory)))
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
+
+
+class NoRoom(UserError):
+    """The one line for a full disk or an exhausted quota: which directory, how much the write needs where that
+    is known, how much is free. The free space is measured when the line is printed, i.e. after every
+    temporary of the failed write has been removed."""
+
+    def __init__(self, directory: Path, setting: str | None, needed: int | None, what: str, number: int = errno.ENOSPC,
+                 ahead: bool = False, needs: str = "it needs about"):
+        super().__init__(str(directory))
+        self.directory, self.setting, self.needed, self.what = Path(directory), setting, needed, what
+        self.number, self.ahead, self.needs = number, ahead, needs
+
+    def __str__(self) -> str:
+        named = f" ({self.setting})" if self.setting else ""
+        where = f"set {self.setting} to a disk with room" if self.setting else "write it to a disk with room"
+        if self.number == errno.EDQUOT:
+            head = f"disk quota exceeded in {self.directory}{named} writing {self.what}"
+            fix = f"free space in your quota there or {where}"
+        else:
+            start = "not enough space" if self.ahead else "no space left"
+            head = f"{start} on the disk of {self.directory}{named} {'for' if self.ahead else 'writing'} {self.what}"
+            fix = f"free space there or {where}"
+        free = free_bytes(self.directory)
+        amounts = []
+        if self.needed:
+            amounts.append(f"{self.needs} {human_bytes(self.needed)}")
+        if free is not None and self.number != errno.EDQUOT:
+            amounts.append(f"{human_bytes(free)} is free there")
+        tail = "nothing was written" if self.ahead else "nothing half-written was kept"
+        detail = f" ({', '.join(amounts)})" if amounts else ""
+        return f"{head}{detail}: {fix}; {tail}"
+
+
+def check_room(directory: Path, needed: int, setting: str | None, what: str, needs: str = "it needs about") -> None:
+    """Refuse, before anything is written, a write of about `needed` bytes where less is free."""
+    free = free_bytes(directory)
+    if free is not None and free < needed:
+        raise NoRoom(directory, setting, needed, what, ahead=True, needs=needs)
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # reads it without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it the mode a plain create gives under the user's umask (0644 files,
+    0755 directories under 022). Writers that go through a private temporary file (safetensors' save_file,
+    tempfile.mkstemp: 0600) or mkdtemp (0700) would otherwise hand other accounts files they cannot read."""
+    mask = _umask()
+    paths = [root]
+    if root.is_dir() and not root.is_symlink():
+        for directory, dirnames, filenames in os.walk(root):  # links are not followed
+            paths += [Path(directory) / name for name in dirnames + filenames]
+    for path in paths:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            continue
+        full = 0o777 if stat.S_ISDIR(mode) or mode & 0o111 else 0o666
+        wanted = (full & ~mask) | (mode & stat.S_ISGID if stat.S_ISDIR(mode) else 0)  # keep group inheritance
+        if stat.S_IMODE(mode) != wanted:
+            os.chmod(path, wanted)
+
+
 @contextlib.contextmanager
-def atomic_path(final: Path | str, setting: str | None = None) -> Iterator[Path]:
+def atomic_path(final: Path | str, setting: str | None = None, needed: int | None = None,
+                what: str | None = None, needs: str = "it needs about") -> Iterator[Path]:
     """Yield a temporary sibling of `final` (file or directory) and rename it into place on success.
 
     On any failure (exception, Ctrl-C, SIGTERM through the CLI's handler) the temporary is removed, so
     `final` is either the complete new result or untouched: nothing half-written is ever visible under
     the final name. Temporaries left by a killed process (SIGKILL) are removed by the next write of the
-    same path. An unwritable parent is a UserError naming it (and `setting`, the variable that chose it).
-    The caller decides beforehand whether an existing `final` may be replaced.
+    same path. An unwritable parent is a UserError naming it (and `setting`, the variable that chose it);
+    so is a full disk or quota, whichever writer hit it (NoRoom; `needed`, the bytes the write takes where
+    the caller knows them, is also checked against the free space before anything is written, `what` names
+    the result and `needs` how the line says the amount). What is renamed into place has the modes of the
+    user's umask (apply_umask). The caller decides beforehand whether an existing `final` may be replaced.
     """
     final = Path(final)
+    what = what or final.name
+    refuse_symlink_loop(final, setting)
     writable_dir(final.parent, setting)
     sweep_stale_temporaries(final)
+    if needed:
+        check_room(final.parent, needed, setting, what, needs)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        yield tmp
-        if final.is_dir() and not final.is_symlink() and tmp.is_dir():
-            # os.replace cannot replace a non-empty directory: move the old one aside first.
-            old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
+        try:
+            yield tmp
+            apply_umask(tmp)
+            if final.is_dir() and not final.is_symlink() and tmp.is_dir():
+                # os.replace cannot replace a non-empty directory: move the old one aside first.
+                old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        finally:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            elif tmp.exists():
+                tmp.unlink()
+    except Exception as exc:  # noqa: BLE001 - only a full disk is turned into its line; the rest is re-raised
+        number = no_room_errno(exc)
+        if number is None:
+            raise
+        raise NoRoom(final.parent, setting, needed, what, number, needs=needs) from None
 
 
 def hydra_quoted(text: str) -> str:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from app.common import REPO_ROOT, ArgParser, UserError, verl_dir, atomic_path, say, warn
+from app.common import (REPO_ROOT, ArgParser, UserError, atomic_path, file_problem, refuse_symlink_loop, resolved,
+                        say, verl_dir, warn)
 from app.settings import Settings
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
@@ -106,10 +107,14 @@ def _read_table(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if not path.exists():
+    refuse_symlink_loop(path)
+    problem = file_problem(path)  # by stat: a FIFO is refused here, not opened (that would wait forever)
+    if problem == "does not exist":
         raise UserError(f"{path} does not exist: check the path (a parquet file with your rows)")
-    if path.is_dir():
+    if problem == "is a directory":
         raise UserError(f"{path} is a directory: pass one parquet file")
+    if problem:
+        raise UserError(f"{path} {problem}: pass a parquet file")
     try:
         # ParquetFile, not pq.read_table: read_table goes through pyarrow.dataset, whose import pulls in
         # pandas (~0.4 s of every preflight) for a single local file that needs neither
@@ -599,7 +604,7 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     import pyarrow.parquet as pq
 
     path, out = Path(path), Path(out)
-    if out.resolve() == path.resolve():
+    if resolved(out, "FIX") == resolved(path, "FILE"):
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
     if out.is_dir():
         raise UserError(f"FIX={out} is a directory: name the file to write, e.g. FIX={out / (path.stem + '.fixed.parquet')}")
@@ -664,6 +669,9 @@ def _source_files(directory: Path, split: str) -> list[Path]:
              # a local copy of the Hugging Face dataset repository (openai/gsm8k) keeps shards in main/
              sorted(directory.glob(f"{split}-*.parquet")), sorted(directory.glob(f"main/{split}-*.parquet"))]
     found = [paths for paths in forms if paths and all(p.is_file() for p in paths)]
+    odd = next((p for paths in forms for p in paths if p.exists() and not p.is_file()), None)
+    if not found and odd is not None:  # a FIFO would block the read, a directory fail it
+        raise UserError(f"{odd} {file_problem(odd)}: put GSM8K's {split} split there as a file")
     if not found:
         raise UserError(f"{directory} has no {split}.jsonl, {split}.jsonl.gz or {split}.parquet: put GSM8K's "
                         f"{split} split there (columns question, answer), or unset GSM8K_SOURCE for the bundled copy")
@@ -730,6 +738,7 @@ def _read_source(source: str | None) -> tuple[str, dict[str, list[tuple[str, dic
                             "offline, unset GSM8K_SOURCE to use the bundled copy or point it at a directory "
                             "with train.jsonl/test.jsonl") from None
     directory = Path(source) if source else BUNDLED_GSM8K
+    refuse_symlink_loop(directory, "GSM8K_SOURCE")
     if not directory.exists():
         raise UserError(f"GSM8K_SOURCE={source} does not exist: point it at a directory with train.jsonl and "
                         "test.jsonl (or .jsonl.gz/.parquet), set it to hf, or unset it for the bundled copy")
@@ -946,6 +955,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
                              "test.parquet beside FILE)")
     args = parser.parse_args(argv)
     args.file, args.fix = Path(args.file), Path(args.fix) if args.fix else None
+    refuse_symlink_loop(args.file, "FILE")
     if args.fix is not None:
         report, changes = fix_parquet(args.file, args.fix, args.kind, force=settings["FORCE"])
         say(f"wrote {args.fix} ({report.rows} rows; {'; '.join(changes) or 'nothing needed fixing'})")

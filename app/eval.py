@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, directory_problem, say, warn
+from app.common import ArgParser, UserError, atomic_path, directory_problem, file_problem, resolved, say, warn
 from app.runs import merged_model_for_step, read_model, step_arg
 from app.settings import Settings
 
@@ -55,8 +55,11 @@ def load_rows(path: Path, limit: int | None) -> list[dict]:
     """GSM8K rows of verl's RL parquet: prompt (chat list), reward_model.ground_truth, extra_info."""
     import pyarrow.parquet as pq
 
-    if not path.is_file():
+    problem = file_problem(path)  # by stat: a FIFO is refused, not opened (that would wait forever)
+    if problem == "does not exist":
         raise UserError(f"test data {path} does not exist: run `make prep` (DATA_DIR) or set EVAL_FILE")
+    if problem:
+        raise UserError(f"test data {path} {problem}: set EVAL_FILE to a parquet file (or DATA_DIR to `make prep`'s)")
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a broken file
@@ -218,7 +221,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=settings["MAX_NEW_TOKENS"])
     args = parser.parse_args(argv)
     if args.model:
-        model = Path(args.model).expanduser().resolve()
+        model = resolved(args.model, "MODEL")
     elif args.step:
         model = merged_model_for_step(args.step, settings)
     else:
@@ -228,15 +231,15 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"MAX_NEW_TOKENS={args.max_new_tokens}: set a positive number")
     data = Path(args.data) if args.data else Path(settings["DATA_DIR"]) / "gsm8k" / "test.parquet"
-    out = Path(args.out).expanduser().resolve() if args.out else model / "eval"
+    out = resolved(args.out, "OUT") if args.out else model / "eval"
     problem = directory_problem(out)
     if problem:  # before the model loads and generates for minutes
         raise UserError(f"the eval output {out} {problem}: set OUT to a directory you can write")
     from app.node import gpus
 
-    summary = evaluate(model, data.expanduser().resolve(), out, args.limit, args.backend, args.batch,
-                       args.max_new_tokens, gpus=gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0,
-                       tp=settings["EVAL_TP"])
+    summary = evaluate(model, resolved(data, "EVAL_FILE" if args.data else "DATA_DIR"), out, args.limit,
+                       args.backend, args.batch, args.max_new_tokens,
+                       gpus=gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0, tp=settings["EVAL_TP"])
     task = "GSM8K" if data.parent.name == "gsm8k" else data.parent.name  # prep writes <task>/test.parquet
     say(f"{task} accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
         f"{summary['formatted']:.0%} gave a '#### n' answer) with {summary['backend']}; "

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
-from app.common import REPO_ROOT, ArgParser, UserError, atomic_path, say
+from app.common import REPO_ROOT, ArgParser, UserError, atomic_path, refuse_symlink_loop, say
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -79,14 +80,15 @@ def build_model(preset: str = "tiny", vocab_size: int | None = None, seed: int =
     if vocab_size is not None and "vocab_size" not in PRESETS[preset]:
         shape["vocab_size"] = vocab_size
     config = Qwen2Config(max_position_embeddings=4096, rope_theta=10000.0, **shape)
-    config.torch_dtype = "bfloat16"
+    config.dtype = "bfloat16"  # torch_dtype: transformers 5 warns on stderr (not one line)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
 
 def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype: str = "bfloat16",
-                     **overrides) -> Path:
-    """Write model + tokenizer + chat template to `out` (atomically) and return it."""
+                     setting: str | None = None, **overrides) -> Path:
+    """Write model + tokenizer + chat template to `out` (atomically) and return it. `setting` names the
+    variable that chose `out` in a refusal (a full disk, a symlink loop)."""
     import torch
 
     out = Path(out)
@@ -98,8 +100,16 @@ def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
-    with atomic_path(out) as tmp:
-        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+    model = model.to(getattr(torch, dtype))
+    # parameters() yields a tied embedding once, as save_pretrained writes it
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not sys.stderr.isatty():  # save_pretrained's bar in a log would make a failure more than one line
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    with atomic_path(out, setting, needed=weights, what=f"the {preset} model",
+                     needs="its weights alone need about") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return out
 
@@ -115,8 +125,11 @@ def main(command: str, argv: list[str], settings) -> int:
                         help="replace an existing directory (default: FORCE)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    refuse_symlink_loop(out, "OUT")  # else a loop reads as absent and the rename replaces the link
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists: FORCE=1 (--force) replaces it, or choose another OUT")
-    write_tiny_model(out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"OUT={out} is a file, not a model directory: choose a directory path for OUT")
+    write_tiny_model(out, preset=args.preset, seed=args.seed, dtype=args.dtype, setting="OUT")
     say(f"wrote {args.preset} model and tokenizer to {out}")
     return 0

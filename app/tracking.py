@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, hydra_quoted, say, warn, writable_dir
 from app import timeline
+from app.common import ArgParser, UserError, atomic_path, hydra_quoted, resolved, say, warn, writable_dir
 from app.runs import default_run_dir, logs_dir, swanlog_dir
 from app.settings import Settings
 
@@ -390,7 +390,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if command == "board":
         return board(args.run, settings["CKPT_DIR"], args.host, args.port, settings.environ())
     if args.run:
-        run = Path(args.run).expanduser().resolve()
+        run = resolved(args.run, "RUN")
     else:
         try:  # CKPT_DIR, JOB's run, or the one run present
             run = default_run_dir(settings)

@@ -26,11 +26,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def run_app(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600):
-    """Run `python -m app ...` as a user would: a real subprocess, captured output."""
+def run_app(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600,
+            umask: int | None = None):
+    """Run `python -m app ...` as a user would: a real subprocess, captured output (under `umask` if given)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if umask is None else lambda: os.umask(umask))
 
 
 def without_make_summary(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -56,3 +58,49 @@ def assert_one_line_error(result) -> str:
     assert "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(size) -> a fresh directory with a tmpfs of `size` (mount's syntax: 2m, 3336k) mounted on it: a
+    real full disk for the writers. Needs root (CI runs as root), else the test is skipped; unmounted after."""
+    mounted = []
+
+    def mount(size: str, name: str = "disk") -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("a small real disk is a tmpfs mount, which needs root (CI runs as root)")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """The bytes of a model's tensors (what the merge and tiny-model estimates count: weights alone)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                total += handle.get_tensor(name).nbytes
+    return total
+
+
+def pages_for(size: int) -> str:
+    """A tmpfs size (mount's syntax) of the fewest 4 KiB pages that hold `size` bytes: room for the weights
+    alone, so a write of them and anything beside them runs out of space midway."""
+    return f"{-(-size // 4096) * 4}k"
+
+
+def modes(root: Path) -> dict[str, str]:
+    """relative path -> its permission bits in octal, for `root` and everything under it."""
+    return {str(p.relative_to(root)): oct(p.stat().st_mode & 0o7777) for p in [root, *sorted(root.rglob("*"))]}

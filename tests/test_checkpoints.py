@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))  # loopback_sshd
-from conftest import REPO, assert_one_line_error, run_app
+from conftest import REPO, assert_one_line_error, modes, pages_for, run_app, weight_bytes
 
 
 def make_run(out: Path, model: Path, world_size: int, step: int, layout: str = "sft", lora: bool = False) -> Path:
@@ -344,3 +345,63 @@ def test_gather_of_a_run_that_is_nowhere_says_so_whatever_the_step(tmp_path, ste
                                                         "JOB": "sft"}))
     assert line == (f"error: no run directory {missing} on this node and no NODES to pull from: set CKPT_DIR to the "
                     "run, and NODES=\"host1 host2\" to the nodes that hold its shards")
+
+
+# --- round 3: a full disk, the modes of what merge writes, symlink loops -------------------------------------
+def test_merge_onto_a_disk_too_small_for_the_weights_is_refused_before_merging(runs, small_disk):
+    disk = small_disk("2m")  # the merged tiny model's weights are ~3.3 MiB
+    result = run_app("merge", env={"CKPT_DIR": str(runs[4]), "OUT_DIR": str(disk / "merged")})
+    line = assert_one_line_error(result)
+    assert result.returncode == 2
+    assert re.fullmatch(rf"error: not enough space on the disk of {re.escape(str(disk))} \(OUT_DIR\) for the merged "
+                        r"model \(its weights alone need about 3\.\d MiB, 2\.0 MiB is free there\): free space there "
+                        r"or set OUT_DIR to a disk with room; nothing was written", line), line
+    assert list(disk.iterdir()) == []
+
+
+def test_merge_filling_the_disk_midway_is_one_line_and_leaves_nothing(runs, tiny_model_dir, small_disk):
+    disk = small_disk(pages_for(weight_bytes(tiny_model_dir)))  # the weights fit, config and tokenizer do not
+    result = run_app("merge", env={"CKPT_DIR": str(runs[2]), "OUT_DIR": str(disk / "merged")})
+    line = assert_one_line_error(result)  # was: internal error SafetensorError ... report it
+    assert result.returncode == 2
+    assert re.fullmatch(rf"error: no space left on the disk of {re.escape(str(disk))} \(OUT_DIR\) writing the merged "
+                        r"model \(its weights alone need about 3\.\d MiB, 3\.\d MiB is free there\): free space there "
+                        r"or set OUT_DIR to a disk with room; nothing half-written was kept", line), line
+    assert list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, "0o644", "0o755"), (0o027, "0o640", "0o750")])
+def test_merged_model_files_get_the_modes_of_the_users_umask(runs, tmp_path, umask, file_mode, dir_mode):
+    out = tmp_path / "merged"
+    result = run_app("merge", "--file-mb", "1", env={"CKPT_DIR": str(runs[1]), "OUT_DIR": str(out)}, umask=umask)
+    assert result.returncode == 0, result.stderr
+    found = modes(out)
+    assert found.pop(".") == dir_mode
+    weights = [name for name in found if name.endswith(".safetensors")]
+    assert len(weights) > 1 and set(found.values()) == {file_mode}, found  # safetensors wrote each 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+
+
+@pytest.mark.parametrize("setting", ["OUT_DIR", "CKPT_DIR"])
+def test_merge_through_a_symlink_loop_is_one_line_naming_the_link(runs, tmp_path, setting):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    env = {"CKPT_DIR": str(runs[1]), "OUT_DIR": str(tmp_path / "merged"), setting: str(loop)}
+    line = assert_one_line_error(run_app("merge", env=env))  # was: internal error RuntimeError: Symlink loop
+    assert line.startswith(f"error: {loop} ({setting}) is a symbolic link that loops back on itself -> {loop}, ")
+    assert f"point {setting} at a real file or directory" in line
+    assert os.readlink(loop) == str(loop) and [p.name for p in tmp_path.iterdir()] == ["loop"]
+
+
+def test_gather_onto_a_disk_too_small_for_the_shards_is_refused_before_copying(runs, sshd, tmp_path, small_disk):
+    node0, node1 = split_by_node(runs[4], tmp_path, 4, 2)
+    disk = small_disk("2m")
+    here = disk / "run"
+    result = run_app("gather", env={"CKPT_DIR": str(here), "NODES": f"127.0.0.1:{node0} 127.0.0.2:{node1}",
+                                    "RSYNC_RSH": sshd["RSYNC_RSH"], "STEP": "7"})
+    line = assert_one_line_error(result)
+    assert re.fullmatch(rf"error: not enough space on the disk of {re.escape(str(here))}/global_step_7 "
+                        r"\(CKPT_DIR\) for the \d+ files of step 7 \(they need [0-9.]+ MiB, [0-9.]+ (KiB|MiB) is free "
+                        r"there\): free space there or set CKPT_DIR to a disk with room; nothing was written",
+                        line), line
+    assert list(disk.iterdir()) == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -94,3 +96,22 @@ def test_missing_model_or_step_or_data_are_one_line_errors(tiny_model_dir, data_
     line = assert_one_line_error(run_app("eval", env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(data_dir),
                                                       "OUT": str(afile), "EVAL_BACKEND": "hf"}))
     assert line == f"error: the eval output {afile} is a file: set OUT to a directory you can write"
+
+
+def test_eval_of_a_model_dir_that_is_a_symlink_loop_is_one_line_naming_it(tmp_path):
+    loop = tmp_path / "model"
+    loop.symlink_to(loop)
+    line = assert_one_line_error(run_app("eval", env={"MODEL": str(loop), "STEP": ""}))  # was: RuntimeError
+    assert line.startswith(f"error: {loop} (MODEL) is a symbolic link that loops back on itself -> {loop}, ")
+    assert os.readlink(loop) == str(loop) and [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_eval_of_a_fifo_as_eval_file_answers_at_once_in_one_line(tiny_model_dir, tmp_path):
+    fifo = tmp_path / "test.parquet"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    line = assert_one_line_error(run_app("eval", env={"MODEL": str(tiny_model_dir), "EVAL_FILE": str(fifo),
+                                                      "OUT": str(tmp_path / "eval")}, timeout=120))
+    assert line == (f"error: test data {fifo} is a FIFO (named pipe), not a file: reading it would wait for a writer "
+                    "forever: set EVAL_FILE to a parquet file (or DATA_DIR to `make prep`'s)")
+    assert time.monotonic() - started < 60 and sorted(p.name for p in tmp_path.iterdir()) == ["test.parquet"]

@@ -354,3 +354,45 @@ def test_doctor_with_an_empty_safetensors_file_prints_every_check_and_one_red_mo
     for name in ("/dev/shm", "memlock", "disk", "verl"):  # the other checks are all there
         assert any(name in line for line in lines), (name, result.stdout)
     assert lines[-1].startswith("NOT READY") and not (tmp_path / "r").exists()
+
+
+# --- round 3: a full disk, FIFOs and symlink loops -----------------------------------------------------------
+def test_prep_on_a_full_disk_names_the_directory_and_leaves_nothing(small_disk):
+    disk = small_disk("2m")  # GSM8K's four parquet files take ~8 MiB
+    data = disk / "data"
+    result = make("prep", env={"DATA_DIR": str(data), "GSM8K_SOURCE": ""})
+    line = assert_one_line_error(result)
+    assert result.returncode == 2 and "internal error" not in line
+    assert re.fullmatch(rf"error: no space left on the disk of {re.escape(str(data))}/gsm8k(_sft)? \(DATA_DIR\) "
+                        r"writing (train|test)\.parquet \([0-9.]+ (KiB|MiB) is free there\): free space there or set "
+                        r"DATA_DIR to a disk with room; nothing half-written was kept", line), line
+    assert list(disk.iterdir()) == []  # no parquet, no temporary, no directory made for it
+
+
+def test_data_check_of_a_fifo_answers_at_once_in_one_line(tmp_path):
+    fifo = tmp_path / "rows.parquet"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    result = make("data-check", f"FILE={fifo}", timeout=60)  # it waited for a writer forever (SIGTERM too)
+    line = assert_one_line_error(result)
+    assert time.monotonic() - started < 30
+    assert line == f"error: {fifo} is a FIFO (named pipe), not a file: reading it would wait for a writer forever: " \
+                   "pass a parquet file"
+    assert files(tmp_path) == ["rows.parquet"] and fifo.is_fifo()
+
+
+@pytest.mark.parametrize("setting", ["FILE", "FIX", "DATA_DIR"])
+def test_a_symlink_loop_as_a_data_path_is_one_line_naming_the_link(tmp_path, setting):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    good = write_rl(tmp_path / "good.parquet")
+    if setting == "DATA_DIR":
+        result = make("prep", env={"DATA_DIR": str(loop), "GSM8K_SOURCE": ""})
+    else:
+        args = {"FILE": [f"FILE={loop}"], "FIX": [f"FILE={good}", f"FIX={loop / 'fixed.parquet'}"]}[setting]
+        result = make("data-check", *args)
+    line = assert_one_line_error(result)
+    assert re.search(rf"{re.escape(str(loop))}( \({setting}\))? is a symbolic link that loops back on itself -> "
+                     rf"{re.escape(str(loop))}", line), line
+    assert f"point {setting} at a real file or directory" in line and "internal error" not in line
+    assert os.readlink(loop) == str(loop) and files(tmp_path) == ["good.parquet", "loop"]

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_one_line_error, run_app
+from conftest import REPO, assert_one_line_error, modes, run_app
 
 from app.tracking import log_files, read_run, swanboard_problem, tracking_env, tracking_overrides
 
@@ -222,3 +222,22 @@ def test_board_without_logs_is_one_line_error(tmp_path):
     assert "no swanlab logs yet" in line
     line = assert_one_line_error(run_app("board", env={"RUN": str(tmp_path), "BOARD_HOST": "localhost"}))
     assert "IPv4" in line
+
+
+# --- round 3: the modes of the report, a symlink loop as RUN ------------------------------------------------
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, "0o644", "0o755"), (0o027, "0o640", "0o750")])
+def test_report_files_get_the_modes_of_the_users_umask(runs, tmp_path, umask, file_mode, dir_mode):
+    run = tmp_path / "sft-run"
+    shutil.copytree(runs["sft"], run)
+    assert run_app("report", str(run), timeout=300, umask=umask).returncode == 0
+    found = modes(run / "report")
+    assert found.pop(".") == dir_mode and set(found.values()) == {file_mode}, found
+    assert sorted(found) == ["loss.png", "summary.txt", "throughput.png"]
+
+
+def test_report_of_a_run_that_is_a_symlink_loop_is_one_line_naming_it(tmp_path):
+    loop = tmp_path / "run"
+    loop.symlink_to(loop)
+    line = assert_one_line_error(run_app("report", env={"RUN": str(loop)}))  # was: internal error RuntimeError
+    assert line.startswith(f"error: {loop} (RUN) is a symbolic link that loops back on itself -> {loop}, ")
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
