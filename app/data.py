@@ -786,6 +786,56 @@ def _convert(split: str, index: int, where: str, row: dict, scorer) -> tuple[dic
     return rl, sft
 
 
+def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> list[tuple[str, dict]]:
+    """`rows` without exact repeats (the same question and answer as an earlier row; the first is kept), with a
+    warning saying how many went. A repeat adds nothing but double weight in training and in validation (the
+    stack's own check warns of it), so dropping it loses nothing, where refusing would make the user edit a
+    downloaded dataset by hand. The same question with a different answer is refused: which answer is the
+    ground truth is the user's call, and prep writes one RL prompt per question."""
+    first: dict[str, tuple[str, object]] = {}
+    kept, dropped = [], []
+    for where, row in rows:
+        question = row.get("question") if isinstance(row, dict) else None
+        if not isinstance(question, str):  # _convert refuses it, with its own line
+            kept.append((where, row))
+            continue
+        if question in first:
+            earlier, answer = first[question]
+            if row.get("answer") != answer:
+                raise UserError(f"{where} asks the same question as {earlier} with a different answer: keep the "
+                                "right one and remove the other (prep writes one RL prompt per question)")
+            dropped.append((where, earlier))
+            continue
+        first[question] = (where, row.get("answer"))
+        kept.append((where, row))
+    if dropped:
+        where, earlier = dropped[0]
+        warn(f"dropped {len(dropped)} repeated rows of the {split} split of {described} (the same question and "
+             f"answer as an earlier row, first: {where} = {earlier}); {len(kept)} rows are prepared")
+    return kept
+
+
+def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: str) -> None:
+    """The test split (validation during training, make eval) must hold questions the train split does not: a
+    test split that is all train rows is refused before anything is written (make check refuses its files
+    later); a partial overlap is a warning, as in data check."""
+    train = {row["question"]: where for where, row in splits.get("train", [])
+             if isinstance(row, dict) and isinstance(row.get("question"), str)}
+    test = [(where, row["question"]) for where, row in splits.get("test", [])
+            if isinstance(row, dict) and isinstance(row.get("question"), str)]
+    shared = [(where, train[question]) for where, question in test if question in train]
+    if not shared:
+        return
+    if len(shared) == len(test):
+        raise UserError(f"every question of the test split of {described} is also in its train split (first: "
+                        f"{shared[0][0]} = {shared[0][1]}): validation and make eval would measure memorisation "
+                        "(make check refuses a val file that repeats the train file); give GSM8K_SOURCE a held-out "
+                        "test split")
+    warn(f"{len(shared)} of {len(test)} test questions of {described} are also in its train split (first: "
+         f"{shared[0][0]} = {shared[0][1]}): their validation and eval scores are inflated; remove them from one "
+         "split")
+
+
 def _schemas():
     import pyarrow as pa
 
@@ -865,6 +915,8 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
     from tqdm import tqdm
 
     described, splits = _read_source(source)
+    splits = {split: _drop_repeats(split, rows, described) for split, rows in splits.items()}
+    _refuse_test_in_train(splits, described)
     scorer = verl_gsm8k_scorer()
     if scorer is None:
         warn("verl is not installed: the reference answers were not scored with verl's gsm8k scorer")

@@ -356,6 +356,86 @@ def test_doctor_with_an_empty_safetensors_file_prints_every_check_and_one_red_mo
     assert lines[-1].startswith("NOT READY") and not (tmp_path / "r").exists()
 
 
+# --- round 3: sources with repeated rows or no held-out split ----------------------------------------------
+def gsm8k_source(directory: Path, train: list[int], test: list[int], replace: dict | None = None) -> Path:
+    """A GSM8K_SOURCE directory whose splits are the bundled test rows at these indices (replace: index ->
+    the row to write instead, for a conflicting repeat)."""
+    import gzip
+    import json
+
+    with gzip.open(REPO / "data" / "gsm8k_source" / "test.jsonl.gz", "rt", encoding="utf-8") as handle:
+        bundled = [json.loads(line) for line in handle]
+    directory.mkdir(parents=True)
+    for split, indices in (("train", train), ("test", test)):
+        rows = [(replace or {}).get((split, n), bundled[i]) for n, i in enumerate(indices)]
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return directory
+
+
+def test_prep_refuses_a_source_whose_test_split_is_its_train_split_before_writing(tmp_path):
+    source = gsm8k_source(tmp_path / "src", train=[0, 1, 2, 3], test=[3, 2, 1, 0])  # same rows, another order
+    data = tmp_path / "data"
+    result = make("prep", env={"GSM8K_SOURCE": str(source), "DATA_DIR": str(data)})
+    line = assert_one_line_error(result)
+    assert result.returncode == 2
+    assert line.startswith(f"error: every question of the test split of {source} is also in its train split")
+    assert f"first: {source / 'test.jsonl'} line 1 = {source / 'train.jsonl'} line 4" in line
+    assert "give GSM8K_SOURCE a held-out test split" in line
+    assert not data.exists()  # nothing written, no directory made
+
+
+def test_prep_warns_in_one_line_when_some_test_questions_are_in_train_and_writes(tmp_path):
+    source = gsm8k_source(tmp_path / "src", train=[0, 1, 2, 3], test=[10, 11, 2])
+    data = tmp_path / "data"
+    result = run_app("prep", "gsm8k", env={"GSM8K_SOURCE": str(source), "DATA_DIR": str(data)})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: 1 of 3 test questions of {source} are also in its train split (first: {source / 'test.jsonl'} "
+        f"line 3 = {source / 'train.jsonl'} line 3): their validation and eval scores are inflated; remove them "
+        "from one split"]
+    assert pq.read_metadata(data / "gsm8k" / "test.parquet").num_rows == 3
+    # the stack's own check says the same of what prep wrote, and nothing worse
+    check = run_app("data", "check", str(data / "gsm8k" / "test.parquet"))
+    assert check.returncode == 0 and "1 of 3 rows" in check.stderr
+
+
+def test_prep_drops_exact_repeats_with_a_warning_and_data_check_accepts_the_result(tmp_path):
+    # rows 1 and 2 twice more (a doubled shard): this ended in "internal error ... report it"
+    source = gsm8k_source(tmp_path / "src", train=[0, 1, 2, 3, 1, 2], test=[10, 11])
+    data = tmp_path / "data"
+    result = make("prep", env={"GSM8K_SOURCE": str(source), "DATA_DIR": str(data)})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: dropped 2 repeated rows of the train split of {source} (the same question and answer as an "
+        f"earlier row, first: {source / 'train.jsonl'} line 5 = {source / 'train.jsonl'} line 2); 4 rows are "
+        "prepared"]
+    for name in ("gsm8k", "gsm8k_sft"):
+        train = data / name / "train.parquet"
+        rows = pq.read_table(train).to_pylist()
+        assert [row["extra_info"]["index"] for row in rows] == [0, 1, 2, 3]
+        check = run_app("data", "check", str(train))
+        assert check.returncode == 0 and check.stderr == "", check.stderr  # no duplicate left, no overlap
+    assert files(data) == [f"{name}{split}" for name in ("arith", "arith_sft", "gsm8k", "gsm8k_sft")  # make prep: both
+                           for split in ("", "/test.parquet", "/train.parquet")]
+
+
+def test_prep_refuses_a_question_repeated_with_another_answer_naming_both_rows(tmp_path):
+    source = gsm8k_source(tmp_path / "src", train=[0, 1, 2, 1], test=[10])
+    import json
+
+    rows = (source / "train.jsonl").read_text().splitlines()
+    other = json.loads(rows[3])
+    other["answer"] = other["answer"].rsplit("####", 1)[0] + "#### 12345"
+    rows[3] = json.dumps(other)
+    (source / "train.jsonl").write_text("\n".join(rows) + "\n")
+    data = tmp_path / "data"
+    line = assert_one_line_error(run_app("prep", "gsm8k", env={"GSM8K_SOURCE": str(source), "DATA_DIR": str(data)}))
+    assert line == (f"error: {source / 'train.jsonl'} line 4 asks the same question as {source / 'train.jsonl'} line 2 "
+                    "with a different answer: keep the right one and remove the other (prep writes one RL prompt "
+                    "per question)")
+    assert not data.exists()
+
+
 # --- round 3: a full disk, FIFOs and symlink loops -----------------------------------------------------------
 def test_prep_on_a_full_disk_names_the_directory_and_leaves_nothing(small_disk):
     disk = small_disk("2m")  # GSM8K's four parquet files take ~8 MiB
