@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import decimal
 import functools
 import gzip
 import importlib.util
 import json
+import math
 import re
 import sys
 import zlib
@@ -204,6 +206,13 @@ def _check_chat(table, column: str, where: str, kind: str) -> tuple:
                         f"`{column}`, not one of {', '.join(KNOWN_ROLES)}: rename it (chat templates reject "
                         f"other roles; {kind_word} training would fail on it)")
     contents = messages.field("content")
+    if not (pa.types.is_string(contents.type) or pa.types.is_large_string(contents.type)):
+        if pa.types.is_list(contents.type) or pa.types.is_large_list(contents.type):
+            raise UserError(f"{where}: the messages in `{column}` hold content parts ({contents.type}), not text; "
+                            f"chat templates of text models need a string: run `python -m app data check {where} "
+                            "--fix OUT.parquet` (joins text parts) and train on OUT.parquet")
+        raise UserError(f"{where}: message content in `{column}` has type {contents.type}, not text: store "
+                        "every message's content as a string")
     if (i := _first(contents.is_null())) is not None:
         raise UserError(f"{where}: row {parents[i].as_py()} has a message without content in `{column}`: "
                         "give every message a text `content`")
@@ -504,7 +513,24 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
     return lengths
 
 
-def _chat_from_string(text: str | None) -> list[dict] | None:
+def _text_of_parts(content, where: str):
+    """Content given as parts ([{"type": "text", "text": ...}, ...], the OpenAI form) as one text: the parts back
+    to back, as the chat templates that accept parts render them. Anything but parts is returned as it is; a
+    part that is not text (an image, audio) is refused: the stack trains text models."""
+    if not isinstance(content, (list, tuple)):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+            continue
+        kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+        raise UserError(f"{where} has a content part of type {kind}, not text: --fix joins text parts only (this "
+                        "stack trains text models); drop that part or write it as text")
+    return "".join(texts)
+
+
+def _chat_from_string(text: str | None, where: str) -> list[dict] | None:
     """A string prompt as a chat list: a JSON-encoded chat list is decoded, plain text becomes one user
     message (decoding first so an already-serialized chat is not wrapped as text)."""
     if text is None:
@@ -515,8 +541,40 @@ def _chat_from_string(text: str | None) -> list[dict] | None:
             decoded = json.loads(stripped)
             if isinstance(decoded, list) and decoded and all(
                     isinstance(m, dict) and {"role", "content"} <= set(m) for m in decoded):
-                return [{"role": str(m["role"]), "content": m["content"]} for m in decoded]
+                return [{"role": str(m["role"]), "content": _text_of_parts(m["content"], where)} for m in decoded]
     return [{"role": "user", "content": text}]
+
+
+def _has_content_parts(table, column: str) -> bool:
+    """Whether `column` is a chat list whose messages' content is a list (of parts)."""
+    import pyarrow as pa
+
+    kind = table.schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return False
+    names = [f.name for f in kind.value_type]
+    if "content" not in names:
+        return False
+    content = kind.value_type.field("content").type
+    return pa.types.is_list(content) or pa.types.is_large_list(content)
+
+
+def _flatten_parts(table, column: str, where: str, changes: list[str]):
+    """`column` (a chat list column) with every message's content parts joined into one text."""
+    import pyarrow as pa
+
+    array = table.column(column).combine_chunks()
+    message_type = array.type.value_type
+    chats = array.to_pylist()
+    for row, chat in enumerate(chats):
+        for message in chat or []:
+            if message is not None:
+                message["content"] = _text_of_parts(message["content"], f"{where} row {row}")
+    message_type = pa.struct([pa.field("content", pa.string()) if f.name == "content" else f for f in message_type])
+    table = table.set_column(table.column_names.index(column), pa.field(column, pa.list_(message_type)),
+                             pa.array(chats, type=pa.list_(message_type)))
+    changes.append(f"content parts of `{column}` joined into text in {len(chats)} rows")
+    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, column))
 
 
 def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
@@ -538,8 +596,8 @@ def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
 
 def _truth_as_text(value) -> str | None:
     """A numeric ground truth as the text verl's scorers compare with: 5 and 5.0 -> "5", 2.5 -> "2.5"."""
-    if value is None:
-        return None
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None  # NaN is pandas' missing value: "nan" would pass as text and match no answer
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if hasattr(value, "normalize"):  # decimal.Decimal
@@ -571,23 +629,41 @@ def _fix_ground_truth(table, changes: list[str]):
     return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "reward_model"))
 
 
-def _prompt_response_to_messages(table, changes: list[str]):
+def _prompt_response_to_messages(table, where: str, changes: list[str]):
     """prompt (text or chat list) + response (text) -> one `messages` conversation per row."""
     import pyarrow as pa
 
     prompts = table.column("prompt").to_pylist()
     responses = table.column("response").to_pylist()
     conversations = []
-    for prompt, response in zip(prompts, responses):
-        chat = _chat_from_string(prompt) if isinstance(prompt, str) else list(prompt or [])
-        chat = [{"role": m.get("role"), "content": m.get("content")} for m in chat]
+    numbers = 0
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        at = f"{where} row {row}"
+        if not prompt:  # an assistant turn alone would pass as a conversation and train on no question
+            raise UserError(f"{at} has no prompt: fill it in or drop the row")
+        if isinstance(prompt, str):
+            chat = _chat_from_string(prompt, at)
+        elif isinstance(prompt, list):
+            chat = [{"role": m.get("role"), "content": _text_of_parts(m.get("content"), at)}
+                    for m in prompt if isinstance(m, dict)]
+        else:
+            raise UserError(f"{at}: `prompt` is a {type(prompt).__name__}, not text or a chat list: rewrite it as text")
+        if isinstance(response, (int, float, decimal.Decimal)) and not isinstance(response, bool):
+            # a number is its text, as a ground truth is: 5 and 5.0 -> "5" (pandas makes 5 a float beside a NaN)
+            response, numbers = _truth_as_text(response), numbers + 1
+        elif response is not None and not isinstance(response, str):
+            raise UserError(f"{at}: `response` is a {type(response).__name__} ({str(response)[:40]!r}), not text: "
+                            "write the answer as text")
         conversations.append(chat + [{"role": "assistant", "content": response}])
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     keep = [name for name in table.column_names if name not in ("prompt", "response", "__index_level_0__")]
+    response_type = table.schema.field("response").type
     table = table.select(keep)
     table = table.add_column(0, pa.field("messages", pa.list_(message)),
                              pa.array(conversations, type=pa.list_(message)))
     changes.append(f"prompt + response converted to a `messages` conversation in {len(conversations)} rows")
+    if numbers:
+        changes.append(f"{numbers} numeric responses written as text (was {response_type})")
     # pandas' and datasets' recorded column lists no longer match the file: drop them, both re-infer
     return table.replace_schema_metadata(None)
 
@@ -613,17 +689,23 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     table = _read_table(path)
     changes: list[str] = []
     if is_prompt_response(table.column_names) and kind in (None, "sft"):
-        table = _prompt_response_to_messages(table, changes)
+        table = _prompt_response_to_messages(table, str(path), changes)
         report = check_table(table, "sft", str(path))  # what is left wrong is the input's
+    elif kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
+        if _has_content_parts(table, "messages"):
+            table = _flatten_parts(table, "messages", str(path), changes)
+            report = check_table(table, "sft", str(path))
+        else:
+            raise UserError(f"--fix repairs RL data, prompt/response SFT data and content parts; {path} is `messages` "
+                            "SFT data, which must already be a conversation list: `data check` says what is wrong "
+                            "with it")
     else:
-        if kind == "sft" or (kind is None and "messages" in table.column_names
-                             and "prompt" not in table.column_names):
-            raise UserError(f"--fix repairs RL data and prompt/response SFT data; {path} is `messages` SFT data, "
-                            "which must already be a conversation list: `data check` says what is wrong with it")
         if "prompt" in table.column_names:
             prompt = table.column("prompt")
+            if _has_content_parts(table, "prompt"):
+                table = _flatten_parts(table, "prompt", str(path), changes)
             if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
-                chats = [_chat_from_string(text) for text in prompt.to_pylist()]
+                chats = [_chat_from_string(text, f"{path} row {row}") for row, text in enumerate(prompt.to_pylist())]
                 rewritten = sum(chat is not None for chat in chats)
                 message = pa.struct([("role", pa.string()), ("content", pa.string())])
                 index = table.column_names.index("prompt")

@@ -436,6 +436,66 @@ def test_prep_refuses_a_question_repeated_with_another_answer_naming_both_rows(t
     assert not data.exists()
 
 
+# --- round 3: --fix of numeric responses and content parts --------------------------------------------------
+def test_fix_writes_a_numeric_response_as_text_in_the_conversation(tmp_path):
+    source, out = tmp_path / "sft.parquet", tmp_path / "messages.parquet"
+    pd.DataFrame({"prompt": ["What is 2 + 3?", "What is 1 + 1.5?"], "response": [5, 2.5]}).to_parquet(source)
+    result = make("data-check", f"FILE={source}", f"FIX={out}")  # was: internal error ArrowTypeError
+    assert result.returncode == 0, result.stderr
+    assert "2 numeric responses written as text (was double)" in result.stdout
+    assert [chat[-1] for chat in pq.read_table(out).column("messages").to_pylist()] == [
+        {"role": "assistant", "content": "5"}, {"role": "assistant", "content": "2.5"}]
+    assert run_app("data", "check", str(out)).returncode == 0
+    assert files(tmp_path) == ["messages.parquet", "sft.parquet"]
+
+
+def test_fix_refuses_a_missing_numeric_response_naming_the_row(tmp_path):
+    source, out = tmp_path / "sft.parquet", tmp_path / "messages.parquet"
+    pd.DataFrame({"prompt": ["a?", "b?"], "response": [5, None]}).to_parquet(source)  # pandas: 5.0, NaN
+    line = assert_one_line_error(make("data-check", f"FILE={source}", f"FIX={out}"))
+    assert "row 1 has a message without content" in line and "nan" not in line.lower()
+    assert files(tmp_path) == ["sft.parquet"]
+
+
+CHAT_PARTS = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+              {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 3?"}]}]
+
+
+@pytest.mark.parametrize("stored", ["json string", "nested list"])
+def test_fix_joins_text_content_parts_into_text_that_verls_rl_dataset_loads(tmp_path, tiny_model_dir, stored):
+    import json
+
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    source, out = tmp_path / "parts.parquet", tmp_path / "fixed.parquet"
+    prompt = [json.dumps(CHAT_PARTS)] if stored == "json string" else [CHAT_PARTS]
+    rl_rows(["5"]).assign(prompt=prompt).to_parquet(source)
+    check = make("data-check", f"FILE={source}")  # the nested form was: internal error, unhashable list
+    assert "--fix OUT.parquet" in assert_one_line_error(check)
+    result = make("data-check", f"FILE={source}", f"FIX={out}")
+    assert result.returncode == 0, result.stderr
+    assert pq.read_table(out).column("prompt").to_pylist() == [[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dataset = RLHFDataset(str(out), tokenizer, {"cache_dir": str(tmp_path / "cache"), "filter_overlong_prompts": True,
+                                                "filter_overlong_prompts_workers": 1})
+    assert dataset[0]["raw_prompt"][1] == {"role": "user", "content": "What is 2 + 3?"}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".parquet") == ["fixed.parquet", "parts.parquet"]
+
+
+def test_fix_refuses_an_image_content_part_in_one_line_and_writes_nothing(tmp_path):
+    import json
+
+    source, out = tmp_path / "parts.parquet", tmp_path / "fixed.parquet"
+    chat = [{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what?"}]}]
+    rl_rows(["5", "6"]).assign(prompt=[json.dumps(chat), "plain?"]).to_parquet(source)
+    line = assert_one_line_error(make("data-check", f"FILE={source}", f"FIX={out}"))
+    assert line == (f"error: {source} row 0 has a content part of type 'image', not text: --fix joins text parts only "
+                    "(this stack trains text models); drop that part or write it as text")
+    assert files(tmp_path) == ["parts.parquet"]
+
+
 # --- round 3: a full disk, FIFOs and symlink loops -----------------------------------------------------------
 def test_prep_on_a_full_disk_names_the_directory_and_leaves_nothing(small_disk):
     disk = small_disk("2m")  # GSM8K's four parquet files take ~8 MiB
