@@ -114,14 +114,25 @@ class RunLog:
     def bad_lines(self) -> int:
         return sum(a.bad_lines for a in self.attempts)
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
+    def series(self, key: str, finite: bool = False) -> tuple[list[int], list[float]]:
+        """(steps, values) of `key`, NaN and infinities included (a diverged run's last value is one of them);
+        `finite`: only the finite ones (what a plot can draw and a min/max mean)."""
         xs, ys = [], []
         for step in sorted(self.steps):
             value = self.steps[step].get(key)
-            if value is not None and math.isfinite(value):
+            if value is not None and (math.isfinite(value) or not finite):
                 xs.append(step)
                 ys.append(value)
         return xs, ys
+
+    def non_finite(self, key: str) -> tuple[int, int, bool] | None:
+        """(first step whose value is NaN or infinite, how many steps are, whether every later step is too),
+        or None where every value is finite."""
+        xs, ys = self.series(key)
+        bad = [i for i, y in enumerate(ys) if not math.isfinite(y)]
+        if not bad:
+            return None
+        return xs[bad[0]], len(bad), len(bad) == len(ys) - bad[0]
 
     def keys(self) -> set[str]:
         return {k for metrics in self.steps.values() for k in metrics}
@@ -139,10 +150,14 @@ def log_files(run: Path) -> list[Path]:
 
 
 def _number(value) -> float | None:
+    if value is None:
+        # verl's FileLogger writes with orjson, which writes NaN and +-inf as null: a metric that is null is
+        # one that went non-finite (a diverged loss), not one that is absent
+        return math.nan
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value)
+        return float(value)  # NaN and Infinity too, as json writers other than orjson log them
     return None
 
 
@@ -211,7 +226,7 @@ FIGURES: list[tuple[str, str, list[tuple[str, list[str]]]]] = [
         ("entropy", ["actor/entropy"]),
         ("grad norm", ["train/grad_norm", "actor/grad_norm"]),
     ]),
-    ("reward.png", "Reward and accuracy", [
+    ("reward.png", "Reward", [  # the title says what is drawn: _title
         ("training reward (mean over responses)", ["critic/rewards/mean", "critic/score/mean"]),
         ("validation", ["val-core/*"]),
     ]),
@@ -244,6 +259,19 @@ def _expand(keys: list[str], present: set[str]) -> list[str]:
     return out
 
 
+def _title(title: str, keys: list[str]) -> str:
+    """A figure's title that promises only what it draws. The reward figure: training reward (critic/*) and
+    validation (val-core/<data_source>/<name>/<stat>, where <name> is the reward, or the accuracy only where
+    a custom reward function returns an `acc`)."""
+    if title != "Reward":
+        return title
+    validation = {key.split("/")[-2] for key in keys if key.startswith("val-core/")}
+    parts = (["training"] if any(key.startswith("critic/") for key in keys) else []) + (
+        ["validation"] if validation else [])
+    what = "Reward and accuracy" if "acc" in validation else "Reward"
+    return f"{what}: {' and '.join(parts)}" if parts else what
+
+
 def render(log: RunLog, out: Path) -> list[str]:
     """Write one PNG per figure that has data into `out`; return the names written."""
     import matplotlib
@@ -265,19 +293,30 @@ def render(log: RunLog, out: Path) -> list[str]:
             ax.set_visible(False)
         for ax, (label, keys) in zip(axes.flat, filled):
             for key in keys:
-                xs, ys = log.series(key)
+                xs, ys = log.series(key, finite=True)
                 sparse = len(xs) < max(2, len(log.steps) // 4)  # validation: a point every test_freq steps
-                ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
+                line, = ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
+                bad = log.non_finite(key)
+                if bad:  # a line cannot draw NaN or inf: mark where the values stop being numbers
+                    ax.axvline(bad[0], color=line.get_color(), linestyle="--", linewidth=1,
+                               label=f"{key}: non-finite from step {bad[0]}")
             ax.set_title(label, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"{title}: {log.run.name}")
+        heading = f"{_title(title, [key for _, keys in filled for key in keys])}: {log.run.name}"
+        fig.suptitle(heading)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        fig.savefig(out / name, dpi=110, metadata={"Title": heading})  # the PNG's tEXt says it too
         plt.close(fig)
         written.append(name)
     return written
+
+
+def _summary_keys(log: RunLog) -> list[str]:
+    present = log.keys()
+    return [k for k in HEADLINE + sorted(k for k in present if k.startswith("val-core/"))
+            if k in present and log.series(k)[1]]
 
 
 def summary_text(log: RunLog, plots: list[str]) -> str:
@@ -290,18 +329,29 @@ def summary_text(log: RunLog, plots: list[str]) -> str:
         span = f"steps {min(attempt.steps)}..{max(attempt.steps)}" if attempt.steps else "no steps"
         lines.append(f"  {attempt.path.name}: {span}" + (f", {attempt.bad_lines} unreadable lines"
                                                          if attempt.bad_lines else ""))
-    keys = [k for k in HEADLINE + sorted(k for k in present if k.startswith("val-core/"))
-            if k in present and log.series(k)[1]]
+    keys = _summary_keys(log)
     width = max([len("metric")] + [len(k) for k in keys])
     lines += ["", f"{'metric':<{width}} {'first':>11} {'last':>11} {'min':>11} {'max':>11}  (step of last)"]
+    diverged = []
     for key in keys:
-        xs, ys = log.series(key)
-        lines.append(f"{key:<{width}} {ys[0]:>11.4g} {ys[-1]:>11.4g} {min(ys):>11.4g} {max(ys):>11.4g}  ({xs[-1]})")
+        xs, ys = log.series(key)  # first and last as logged: a NaN last value is the news
+        finite = [y for y in ys if math.isfinite(y)]
+        low, high = (f"{min(finite):>11.4g}", f"{max(finite):>11.4g}") if finite else (f"{'-':>11}", f"{'-':>11}")
+        row = f"{key:<{width}} {ys[0]:>11.4g} {ys[-1]:>11.4g} {low} {high}  ({xs[-1]})"
+        bad = log.non_finite(key)
+        if bad:
+            step, count, to_the_end = bad
+            row += f"  non-finite from step {step}" if to_the_end else f"  non-finite at {count} steps from step {step}"
+            diverged.append(f"{key} from step {step}")
+        lines.append(row)
+    if diverged:
+        lines += ["", "non-finite values (NaN or infinite; verl's file logger writes both as null): "
+                  + ", ".join(diverged) + "; min and max are over the finite values"]
     if "perf/time_per_step" in present:
-        total = sum(log.series("perf/time_per_step")[1])
+        total = sum(log.series("perf/time_per_step", finite=True)[1])
         lines.append(f"\ntraining time over the logged steps: {total / 3600:.2f} h")
     if "train/global_tokens" in present:
-        lines.append(f"\ntokens trained on: {sum(log.series('train/global_tokens')[1]):,.0f}")
+        lines.append(f"\ntokens trained on: {sum(log.series('train/global_tokens', finite=True)[1]):,.0f}")
     lines += ["", "plots: " + (", ".join(plots) if plots else "none (no plottable metrics)")]
     return "\n".join(lines) + "\n"
 
@@ -331,6 +381,10 @@ def report(run: Path) -> Path:
                                          encoding="utf-8")
     if log.bad_lines:
         warn(f"skipped {log.bad_lines} unreadable log lines (a run killed mid-write leaves one)")
+    diverged = [f"{key} from step {bad[0]}" for key in _summary_keys(log) if (bad := log.non_finite(key))]
+    if diverged:
+        warn(f"non-finite values (NaN or infinite) in {', '.join(diverged)}: the run diverged there; see "
+             f"{out / 'summary.txt'}")
     return out
 
 

@@ -241,3 +241,54 @@ def test_report_of_a_run_that_is_a_symlink_loop_is_one_line_naming_it(tmp_path):
     line = assert_one_line_error(run_app("report", env={"RUN": str(loop)}))  # was: internal error RuntimeError
     assert line.startswith(f"error: {loop} (RUN) is a symbolic link that loops back on itself -> {loop}, ")
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+# --- round 3: a diverged run, what the reward plot's title promises ----------------------------------------
+def png_title(path: Path) -> str:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.text["Title"]  # the PNG's tEXt chunk, written with the figure's title
+
+
+def test_report_of_a_diverged_run_shows_the_non_finite_values_and_the_step_they_start(tmp_path):
+    """verl's FileLogger writes NaN and inf as null (orjson); another writer's NaN/Infinity too: the summary shows
+    them as the last value and says from which step, instead of the last healthy value."""
+    run = tmp_path / "diverged"
+    steps = [[s, {"train/loss": 2.0 / s if s < 7 else float("nan"), "train/grad_norm": 1.0,
+                  "perf/time_per_step": 10.0 if s < 8 else float("inf")}] for s in range(1, 10)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", VERL_LOGGER, json.dumps([[str(run), ["file"], steps]])], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = log_files(run)[0]
+    assert '"train/loss":null' in log.read_text()  # how verl writes it
+    with open(log, "a") as handle:  # a json writer's spelling of the same
+        handle.write(json.dumps({"step": 10, "data": {"train/loss": float("nan"), "perf/time_per_step": 10.0}}) + "\n")
+    result = run_app("report", env={"RUN": str(run)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "warning: non-finite values (NaN or infinite) in train/loss from step 7, perf/time_per_step from step 8: the "
+        f"run diverged there; see {run / 'report' / 'summary.txt'}"]
+    summary = (run / "report" / "summary.txt").read_text()
+    loss = next(line for line in summary.splitlines() if line.startswith("train/loss"))
+    assert loss.split() == ["train/loss", "2", "nan", "0.3333", "2", "(10)", "non-finite", "from", "step", "7"]
+    step_time = next(line for line in summary.splitlines() if line.startswith("perf/time_per_step"))
+    assert step_time.split()[2] == "10" and step_time.endswith("non-finite at 2 steps from step 8")
+    assert ("non-finite values (NaN or infinite; verl's file logger writes both as null): train/loss from step 7"
+            in summary)
+    assert "training time over the logged steps: 0.02 h" in summary  # 7 finite steps of 10 s + step 10
+    assert sorted(p.name for p in (run / "report").iterdir()) == ["loss.png", "summary.txt", "throughput.png"]
+
+
+def test_reward_plot_title_says_what_is_drawn(runs, tmp_path):
+    run = tmp_path / "grpo-run"
+    shutil.copytree(runs["grpo"], run)
+    assert run_app("report", str(run), timeout=300).returncode == 0
+    assert png_title(run / "report" / "reward.png") == "Reward: training and validation: grpo-run"  # no accuracy drawn
+    assert png_title(run / "report" / "loss.png") == "Loss: grpo-run"
+    # a custom reward function that returns an `acc` has verl log val-core/<source>/acc/...: then it is drawn
+    with open(log_files(run)[-1], "a") as handle:
+        handle.write(json.dumps({"step": 30, "data": {"val-core/openai/gsm8k/acc/mean@1": 0.5}}) + "\n")
+    assert run_app("report", str(run), timeout=300).returncode == 0
+    assert png_title(run / "report" / "reward.png") == "Reward and accuracy: training and validation: grpo-run"
