@@ -214,20 +214,26 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     parser.add_argument("--step", default=settings["STEP"], type=step_arg, help="merged step, when no MODEL (STEP)")
     parser.add_argument("--data", default=settings["EVAL_FILE"],
                         help="RL parquet (EVAL_FILE; default DATA_DIR/gsm8k/test.parquet)")
-    parser.add_argument("--limit", type=int, default=settings["LIMIT"] or None, help="first N rows (LIMIT)")
+    # no `or None`: LIMIT=0 must reach the check below, not silently mean every row
+    parser.add_argument("--limit", type=int, default=settings["LIMIT"], help="first N rows (LIMIT)")
     parser.add_argument("--out", default=settings["OUT"], help="output directory (OUT; default <model>/eval)")
     parser.add_argument("--backend", default=settings["EVAL_BACKEND"], help=f"{'|'.join(BACKENDS)}")
-    parser.add_argument("--batch", type=int, default=settings["EVAL_BATCH"] or None, help="EVAL_BATCH")
+    parser.add_argument("--batch", type=int, default=settings["EVAL_BATCH"], help="EVAL_BATCH")
     parser.add_argument("--max-new-tokens", type=int, default=settings["MAX_NEW_TOKENS"])
     args = parser.parse_args(argv)
+    # LIMIT=0 is refused rather than read as "none" (an eval of no rows has no accuracy) or as "all" (what
+    # it silently did: an hour of generation nobody asked for): unset LIMIT means all
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"LIMIT={args.limit} would evaluate no rows: set a positive number of rows, or unset LIMIT "
+                        "to evaluate them all")
+    if args.batch is not None and args.batch < 1:
+        raise UserError(f"EVAL_BATCH={args.batch}: set a positive batch size, or unset it for the default")
     if args.model:
         model = resolved(args.model, "MODEL")
     elif args.step:
         model = merged_model_for_step(args.step, settings)
     else:
         raise UserError("which model? pass MODEL=<model directory> or STEP=<merged step> (make merge STEP=N first)")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"LIMIT={args.limit}: set a positive number of rows, or unset it for all")
     if args.max_new_tokens < 1:
         raise UserError(f"MAX_NEW_TOKENS={args.max_new_tokens}: set a positive number")
     data = Path(args.data) if args.data else Path(settings["DATA_DIR"]) / "gsm8k" / "test.parquet"

@@ -98,6 +98,22 @@ def test_missing_model_or_step_or_data_are_one_line_errors(tiny_model_dir, data_
     assert line == f"error: the eval output {afile} is a file: set OUT to a directory you can write"
 
 
+@pytest.mark.parametrize("setting, value, expected", [
+    ("LIMIT", "0", "error: LIMIT=0 would evaluate no rows: set a positive number of rows, or unset LIMIT to evaluate "
+                   "them all"),
+    ("EVAL_BATCH", "0", "error: EVAL_BATCH=0: set a positive batch size, or unset it for the default"),
+])
+def test_make_eval_refuses_a_zero_limit_or_batch_in_one_line_before_loading_the_model(tiny_model_dir, data_dir,
+                                                                                       tmp_path, setting, value,
+                                                                                       expected):
+    # LIMIT=0 evaluated every row (an hour of generation on GSM8K's 1319 rows): `0 or None` was "all"
+    out = tmp_path / "eval"
+    result = make("eval", env={"MODEL": str(tiny_model_dir), "DATA_DIR": str(data_dir), "OUT": str(out),
+                               "EVAL_BACKEND": "hf", setting: value, "RUNTIME": "local"}, timeout=120)
+    assert assert_one_line_error(result) == expected and result.returncode == 2
+    assert "evaluating" not in result.stdout and list(tmp_path.iterdir()) == []
+
+
 def test_eval_of_a_model_dir_that_is_a_symlink_loop_is_one_line_naming_it(tmp_path):
     loop = tmp_path / "model"
     loop.symlink_to(loop)
