@@ -15,16 +15,19 @@ JOB (sft|grpo: which default run directory, when CKPT_DIR is unset).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
+import signal
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.common import ArgParser, UserError, atomic_path, check_room, refuse_symlink_loop, resolved, say, warn
+from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, no_room_errno, refuse_symlink_loop,
+                        resolved, say, warn)
 from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
                       step_dir, steps_in)
 from app.settings import Settings
@@ -570,8 +573,17 @@ def parse_nodes(text: str, local_run: Path, environ: dict[str, str] | None = Non
     return nodes
 
 
-def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False) -> str | None:
-    """rsync over ssh; a one-line UserError on failure, or None if missing_ok and the source does not exist."""
+# What ssh says when it never got a working connection. rsync then exits 255 (ssh's own code), or 12
+# ("connection unexpectedly closed") where it noticed the closed pipe before ssh had exited: a race, so the
+# exit code alone cannot tell a host that is not there from a path that is not there.
+_SSH_ERRORS = re.compile(r"^ssh: |Could not resolve hostname|Permission denied \(|Host key verification failed|"
+                         r"kex_exchange_identification|Connection (closed|reset) by|Connection timed out")
+
+
+def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, into: Path | None = None,
+           needed: int | None = None) -> str | None:
+    """rsync over ssh; a one-line UserError on failure, or None if missing_ok and the source does not exist.
+    `into`: the local file it writes (its directory named, with `needed` bytes, when that disk is full)."""
     import subprocess
 
     if shutil.which("rsync") is None:
@@ -579,25 +591,45 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False) -> 
     cmd = ["rsync"]
     if not node.environ.get("RSYNC_RSH"):  # RSYNC_RSH (rsync's own) overrides
         cmd += ["-e", "ssh -o BatchMode=yes -o ConnectTimeout=10"]
-    result = subprocess.run(cmd + args, capture_output=True, text=True, env=node.environ or None)
-    if result.returncode != 0:
-        # rsync code 23 + "change_dir ... No such file": the source is absent (the remote's message may come
-        # anywhere among the local side's, in either order).
-        if missing_ok and result.returncode == 23 and "No such file or directory" in result.stderr:
-            return None
-        # Show the cause, not its echoes: rsync's "rsync error: ... (code N)" summary and the broken pipe or
-        # closed connection that follow the other side quitting say nothing about why.
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        echoes = ("rsync error:", "Warning: Permanently added")
-        causes = [line for line in lines if not line.startswith(echoes)
-                  and "Broken pipe" not in line and "connection unexpectedly closed" not in line]
-        detail = _one_line((causes or lines or [""])[0])
-        if result.returncode == 255:
-            raise UserError(f"cannot reach {node.host} over ssh to {what} ({detail}): make `ssh {node.host}` work "
-                            f"without a password from this node (ssh-copy-id {node.host}), or use a shared volume")
-        raise UserError(f"rsync from {node.spec} failed to {what} (exit {result.returncode}: {detail}): check that "
-                        f"{node.url('')} exists on that node")
-    return result.stdout
+    # its own process group: rsync leaves without waiting for its ssh when the connection closes (exit 12);
+    # what is left of the group (ssh, a wrapper named in RSYNC_RSH) is ended below, so nothing outlives gather
+    proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=node.environ or None, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    if proc.returncode == 0:
+        return stdout
+    # rsync code 23 + "change_dir ... No such file": the source is absent (the remote's message may come
+    # anywhere among the local side's, in either order).
+    if missing_ok and proc.returncode == 23 and "No such file or directory" in stderr:
+        return None
+    # Show the cause, not its echoes: rsync's "rsync error: ... (code N)" summary and the broken pipe or
+    # closed connection that follow the other side quitting say nothing about why.
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    echoes = ("rsync error:", "Warning: Permanently added")
+    causes = [line for line in lines if not line.startswith(echoes)
+              and "Broken pipe" not in line and "connection unexpectedly closed" not in line]
+    detail = _one_line((causes or lines or [""])[0])
+    ssh_error = next((line for line in lines if _SSH_ERRORS.search(line)), None)
+    if ssh_error is not None and "Could not resolve hostname" in ssh_error:
+        raise UserError(f"cannot resolve the host name {node.host} (NODES) to {what} ({_one_line(ssh_error)}): "
+                        "check its spelling, or give that node's IP address in NODES")
+    if ssh_error is not None or proc.returncode == 255:
+        raise UserError(f"cannot reach {node.host} over ssh to {what} ({_one_line(ssh_error or detail)}): make "
+                        f"`ssh {node.host}` work without a password from this node (ssh-copy-id {node.host}), or "
+                        "use a shared volume")
+    if re.search(r"rsync: (command )?not found", stderr):
+        raise UserError(f"{node.host} has no rsync ({detail}): install it there (apt-get install rsync)")
+    if into is not None and (number := no_room_errno(OSError(stderr))) is not None:  # rsync's "(28)" is text
+        raise NoRoom(into.parent, "CKPT_DIR", needed, into.name, number)
+    raise UserError(f"rsync from {node.spec} failed to {what} (exit {proc.returncode}: {detail}): check that "
+                    f"{node.url('')} exists on that node")
 
 
 def _listing(node: Node, relative: str) -> dict[str, int] | None:
@@ -630,7 +662,7 @@ def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -
     watcher = threading.Thread(target=follow, daemon=True)
     watcher.start()
     try:
-        _rsync(["-a", node.url(relative), str(dest)], node, f"copy {relative}")
+        _rsync(["-a", node.url(relative), str(dest)], node, f"copy {relative}", into=dest, needed=size)
     finally:
         done.set()
         watcher.join()

@@ -405,3 +405,57 @@ def test_gather_onto_a_disk_too_small_for_the_shards_is_refused_before_copying(r
                         r"there\): free space there or set CKPT_DIR to a disk with room; nothing was written",
                         line), line
     assert list(disk.iterdir()) == []
+
+
+# --- round 3: a host that does not resolve, whatever rsync's exit code --------------------------------------
+SLOW_TRANSPORT = """#!/bin/sh
+# ssh, and then a moment before it exits with ssh's code, its end of the pipes already closed (a slow ssh exit,
+# a ControlMaster or ProxyCommand): rsync sees the closed connection first and exits 12, not 255
+echo $$ >> "{pidfile}"
+ssh -F /dev/null -o BatchMode=yes -o ConnectTimeout=10 "$@"
+code=$?
+exec >&- <&- 2>&-
+sleep 30
+exit $code
+"""
+
+
+@pytest.mark.parametrize("transport", ["ssh", "slow to exit"])
+def test_gather_from_a_host_that_does_not_resolve_says_so_whatever_rsyncs_exit_code(runs, tmp_path, transport):
+    node0, _ = split_by_node(runs[4], tmp_path, 4, 2)
+    before = sorted(str(p.relative_to(node0)) for p in node0.rglob("*"))
+    pidfile = tmp_path / "transport.pid"
+    env = {"CKPT_DIR": str(node0), "NODES": "no-such-node.invalid", "STEP": "7"}
+    if transport == "slow to exit":
+        wrapper = tmp_path / "slow-ssh"
+        wrapper.write_text(SLOW_TRANSPORT.format(pidfile=pidfile))
+        wrapper.chmod(0o755)
+        env["RSYNC_RSH"] = str(wrapper)
+        probe = subprocess.Popen(["rsync", "-e", str(wrapper), "-r", "--list-only", "no-such-node.invalid:/x/"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        assert probe.wait(timeout=60) == 12  # the exit code that blamed the path; its transport still runs:
+        os.killpg(probe.pid, signal.SIGTERM)
+    started = time.monotonic()
+    line = assert_one_line_error(run_app("gather", env=env, timeout=120))
+    assert line.startswith("error: cannot resolve the host name no-such-node.invalid (NODES) to list global_step_7 "
+                           "(ssh: Could not resolve hostname no-such-node.invalid: ")  # then the resolver's words
+    assert line.endswith("): check its spelling, or give that node's IP address in NODES")
+    assert "exists on that node" not in line and time.monotonic() - started < 25  # did not wait out the sleep
+    assert sorted(str(p.relative_to(node0)) for p in node0.rglob("*")) == before
+    for pid in pidfile.read_text().split() if pidfile.exists() else []:  # nothing of a transport is left running
+        assert not running(int(pid)), pid
+
+
+def running(pid: int, wait: float = 5) -> bool:
+    """Whether `pid` still runs after `wait` s (a zombie has ended: it only waits for its reaper)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state == "Z":
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
