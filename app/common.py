@@ -383,32 +383,39 @@ def hydra_quoted(text: str) -> str:
 
 
 def stop_group(process, what: str = "", grace: float = 60.0) -> None:
-    """The one way the stack stops what it started: SIGTERM to the process group `process` leads (started with
-    start_new_session=True, so that its children go too: torchrun's ranks, vLLM's inspection child), SIGKILL
-    after `grace` seconds. `ray start --block` stops its own Ray processes on SIGTERM. Nothing where it is over."""
+    """The one way the stack stops what it started (with start_new_session=True): SIGTERM to the leader, which
+    stops its own children in order (`ray start --block` its Ray processes, torchrun its ranks, the warm-up vLLM's
+    inspection child); then whatever is left of its process group gets SIGTERM, and SIGKILL after `grace` seconds
+    in all. Signalling the whole group at once would kill Ray's GCS under `ray start`, which then waits 30 s to
+    drain through it and prints a traceback. Nothing where it is over."""
     import signal
     import time
 
-    if process is None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
+    def group_alive() -> bool:
         process.poll()  # reaps the leader (a zombie still counts as a member of its group)
         try:
             os.killpg(process.pid, 0)
+            return True
         except ProcessLookupError:
-            return
+            return False
+
+    if process is None or not group_alive():
+        return
+    deadline = time.monotonic() + grace
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGTERM)
+    while process.poll() is None and time.monotonic() < deadline:  # the leader stops its own children
         time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)  # what it left behind
+    while group_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not group_alive():
+        return
     if what:
         warn(f"{what} did not stop within {grace:.0f}s: killing it")
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 

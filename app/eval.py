@@ -24,7 +24,7 @@ from pathlib import Path
 
 from app.common import ArgParser, UserError, atomic_path, directory_problem, file_problem, resolved, say, warn
 from app.runs import merged_model_for_step, read_model, step_arg
-from app.settings import Settings
+from app.settings import Settings, setting_type
 
 BACKENDS = ("auto", "vllm", "hf", "reference")
 
@@ -214,20 +214,13 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     parser.add_argument("--step", default=settings["STEP"], type=step_arg, help="merged step, when no MODEL (STEP)")
     parser.add_argument("--data", default=settings["EVAL_FILE"],
                         help="RL parquet (EVAL_FILE; default DATA_DIR/gsm8k/test.parquet)")
-    # no `or None`: LIMIT=0 must reach the check below, not silently mean every row
-    parser.add_argument("--limit", type=int, default=settings["LIMIT"], help="first N rows (LIMIT)")
+    # LIMIT and EVAL_BATCH are at least 1 (the registry's rule, for the flags too): LIMIT=0 once meant every row
+    parser.add_argument("--limit", type=setting_type("LIMIT"), default=settings["LIMIT"], help="first N rows (LIMIT)")
     parser.add_argument("--out", default=settings["OUT"], help="output directory (OUT; default <model>/eval)")
     parser.add_argument("--backend", default=settings["EVAL_BACKEND"], help=f"{'|'.join(BACKENDS)}")
-    parser.add_argument("--batch", type=int, default=settings["EVAL_BATCH"], help="EVAL_BATCH")
+    parser.add_argument("--batch", type=setting_type("EVAL_BATCH"), default=settings["EVAL_BATCH"], help="EVAL_BATCH")
     parser.add_argument("--max-new-tokens", type=int, default=settings["MAX_NEW_TOKENS"])
     args = parser.parse_args(argv)
-    # LIMIT=0 is refused rather than read as "none" (an eval of no rows has no accuracy) or as "all" (what
-    # it silently did: an hour of generation nobody asked for): unset LIMIT means all
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"LIMIT={args.limit} would evaluate no rows: set a positive number of rows, or unset LIMIT "
-                        "to evaluate them all")
-    if args.batch is not None and args.batch < 1:
-        raise UserError(f"EVAL_BATCH={args.batch}: set a positive batch size, or unset it for the default")
     if args.model:
         model = resolved(args.model, "MODEL")
     elif args.step:

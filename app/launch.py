@@ -379,10 +379,17 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
     deadline = time.monotonic() + left
     host, port = address.rsplit(":", 1)
     mine = json.loads(Path(run).read_text())
+    # Ray's core logs to this process's stderr (a head that refuses our token: a warning a second): into a log,
+    # the progress bar to the terminal
+    terminal = os.fdopen(os.dup(2), "w")
+    with open(Path(run).parent / "ray-wait.log", "a") as log:
+        os.dup2(log.fileno(), 2)
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
-        answers.send(("error", f"cannot join the Ray cluster at {address}: {' '.join(str(exc).split())[:300]}"))
+        answers.send(("error", f"cannot join the Ray cluster at {address} ({' '.join(str(exc).split())[:200]}): if "
+                               "a Ray head that this run did not start answers there, e.g. one left by a run that was "
+                               "killed, stop it (`ray stop` on that node) or set RAY_PORT to a free port"))
         return
 
     @ray.remote(num_cpus=0)
@@ -398,7 +405,7 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
 
     compared: set[str] = set()
     try:
-        with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node") as bar:
+        with tqdm(total=nnodes, desc=f"nodes with {gpus_per_node} GPU(s) joined", unit="node", file=terminal) as bar:
             while True:
                 alive = [n for n in ray.nodes() if n.get("Alive")]
                 ready = [n for n in alive if n["Resources"].get("GPU", 0) >= gpus_per_node]
@@ -477,6 +484,10 @@ def launch_grpo_head(settings: Settings) -> int:
         try:
             warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
             if node.port_open(settings["HEAD_IP"] or "127.0.0.1", settings["RAY_PORT"]):
+                holder = node.port_holder(settings["RAY_PORT"])
+                if holder and "gcs_server" not in holder:
+                    raise UserError(f"RAY_PORT {settings['RAY_PORT']} is in use by {holder}, which is not a Ray head: "
+                                    "stop it, or set RAY_PORT to a free port (the same on every node)")
                 say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
             else:
                 say(f"$ {shlex.join(head_cmd)}")

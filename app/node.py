@@ -89,6 +89,22 @@ def gpus(visible: str | None) -> Gpus:
     return Gpus(len(shown), f"{source} and CUDA_VISIBLE_DEVICES={visible!r}{note}", tuple(shown), len(rows))
 
 
+def gpu_processes(gpus: Gpus) -> list[str]:
+    """What runs on `gpus` now ("pid 123 (VLLM::EngineCore, 61234 MiB)"), from nvidia-smi; [] where it cannot tell."""
+    smi = shutil.which("nvidia-smi")
+    uuids = {row["uuid"] for row in gpus.rows if row.get("uuid")}
+    if not smi or not uuids:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    apps = [[f.strip() for f in line.split(",")] for line in out.stdout.splitlines() if line.count(",") >= 3]
+    return [f"pid {pid} ({name}, {memory} MiB)" for uuid, pid, name, memory in (a[:4] for a in apps)
+            if out.returncode == 0 and uuid in uuids]
+
+
 # --- network ---------------------------------------------------------------------------------------------
 def interface_addresses() -> dict[str, list[str]]:
     """interface name -> its addresses (IPv4 through ioctl, IPv6 from /proc/net/if_inet6)."""

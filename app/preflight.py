@@ -53,6 +53,13 @@ def refuse_without_gpus(spec: Spec, what: str) -> None:
     """A launch that will start GPU work on a node without any GPU fails later in torch/NCCL with a traceback:
     refused here, as `make smoke` does. The tests' CPU stand-in trainers (SFT_TRAINER_MODULE /
     GRPO_TRAINER_MODULE) need none."""
+    from app.node import gpu_processes
+
+    busy = gpu_processes(spec.gpus)
+    if busy:  # an earlier run's trainer or vLLM engine, left by a kill (the OOM killer's SIGKILL): the new run would hang
+        raise UserError(f"this node's GPUs are in use by {', '.join(busy)}, perhaps left by a run that was killed: stop "
+                        f"{'it' if len(busy) == 1 else 'them'} (kill PID) before {what}, or set CUDA_VISIBLE_DEVICES "
+                        "to free GPUs")
     hook = "SFT_TRAINER_MODULE" if spec.job == "sft" else "GRPO_TRAINER_MODULE"
     if spec.gpus.count or spec.settings[hook] != BY_NAME[hook].default:
         return

@@ -184,14 +184,14 @@ REGISTRY: tuple[Var, ...] = (
     Var("EVAL_FILE", "path", None, "eval: the RL parquet to score (default DATA_DIR/gsm8k/test.parquet)",
         "eval：要评测的 RL parquet（默认 DATA_DIR/gsm8k/test.parquet）", ("eval",), G_ONCE),
     Var("LIMIT", "int", None, "eval: the first N test rows (default all)", "eval：只取前 N 行（默认全部）",
-        ("eval",), G_ONCE),
+        ("eval",), G_ONCE, minimum=1),
     Var("OUT", "path", None, "eval's output (default <model>/eval); tiny-model's (default models/tiny)",
         "eval 的输出（默认 <模型>/eval）；tiny-model 的输出（默认 models/tiny）", ("eval", "tiny-model"), G_ONCE),
     Var("EVAL_BACKEND", "choice", "auto", "eval's generator (auto: vLLM on a GPU, else transformers)",
         "eval 的生成后端（auto：有 GPU 用 vLLM，否则 transformers）", ("eval",), G_ONCE,
         choices=("auto", "vllm", "hf", "reference")),
     Var("EVAL_BATCH", "int", None, "eval's batch with transformers (default 32 on a GPU, 8 on CPU)",
-        "eval 使用 transformers 时的批大小（默认 GPU 32、CPU 8）", ("eval",), G_ONCE),
+        "eval 使用 transformers 时的批大小（默认 GPU 32、CPU 8）", ("eval",), G_ONCE, minimum=1),
     Var("MAX_NEW_TOKENS", "int", "1024", "eval: new tokens per answer", "eval：每个回答的最大新 token 数",
         ("eval",), G_ONCE),
     Var("EVAL_TP", "int", "1", "eval: vLLM tensor parallel size", "eval：vLLM 张量并行数", ("eval",), G_ONCE,
@@ -349,6 +349,16 @@ def parse(var: Var, raw: str) -> Any:
             raise ValueError(raw)
         return raw
     raise AssertionError(f"unknown kind {kind} of {var.name}")
+
+
+def setting_type(name: str):
+    """An argparse `type` that reads a flag as the setting `name` reads its value: one rule for both."""
+    def read(text: str):
+        value = _value(BY_NAME[name], text, "command line")
+        if value.error:
+            raise UserError(value.error)
+        return value.value
+    return read
 
 
 def _unquoted(text: str) -> str:

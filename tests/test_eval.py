@@ -99,9 +99,9 @@ def test_missing_model_or_step_or_data_are_one_line_errors(tiny_model_dir, data_
 
 
 @pytest.mark.parametrize("setting, value, expected", [
-    ("LIMIT", "0", "error: LIMIT=0 would evaluate no rows: set a positive number of rows, or unset LIMIT to evaluate "
-                   "them all"),
-    ("EVAL_BATCH", "0", "error: EVAL_BATCH=0: set a positive batch size, or unset it for the default"),
+    ("LIMIT", "0", "error: LIMIT='0' is not a whole number >= 1: set LIMIT to a whole number >= 1, or unset it"),
+    ("EVAL_BATCH", "0", "error: EVAL_BATCH='0' is not a whole number >= 1: set EVAL_BATCH to a whole number >= 1, or "
+                        "unset it"),
 ])
 def test_make_eval_refuses_a_zero_limit_or_batch_in_one_line_before_loading_the_model(tiny_model_dir, data_dir,
                                                                                        tmp_path, setting, value,

@@ -209,3 +209,71 @@ def test_the_grpo_profile_starts_no_dataloader_worker_processes(ray_env, monkeyp
     from app.settings import load
 
     assert preflight("grpo", load(ray_env)).spec.cfg.data.dataloader_num_workers == 0
+
+
+# --- after a kill: what is left over is named, never waited on ----------------------------------------------
+def the_one_error(result) -> str:
+    """A launch that failed after preflight passed: preflight's warnings, then one error line, last; no traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert result.returncode != 0 and "Traceback" not in result.stderr and errors == lines[-1:], result.stderr
+    return errors[0]
+
+
+def test_a_ray_port_held_by_something_else_is_refused_naming_the_holder(ray_env):
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", int(ray_env["RAY_PORT"])))
+        server.listen()
+        line = the_one_error(run_app("grpo-head", env={**ray_env, "WAIT_TIMEOUT": "600"}, timeout=120))
+    assert line.startswith(f"error: RAY_PORT {ray_env['RAY_PORT']} is in use by python") and "which is not a Ray head" in line
+    assert ray_processes_of(ray_env["RAY_TMPDIR"]) == []
+
+
+@pytest.mark.slow
+def test_a_ray_head_left_by_an_earlier_run_is_one_line_not_a_hang(ray_env, tmp_path):
+    """A head this run did not start (say, left by a launch the OOM killer took): it does not take this run's token,
+    so the launch cannot join it, and says so in one line, with how to stop it; Ray's own retries go to a log."""
+    args = ray_env["RAY_START_ARGS"].split()
+    left = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--node-ip-address", "127.0.0.1", "--port", ray_env["RAY_PORT"], *args],
+                            env={**ray_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 64},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_open(int(ray_env["RAY_PORT"])) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        result = run_app("grpo-head", env={**ray_env, "WAIT_TIMEOUT": "600"}, timeout=300)
+        line = the_one_error(result)
+        assert line.startswith(f"error: cannot join the Ray cluster at 127.0.0.1:{ray_env['RAY_PORT']} (")
+        assert "stop it (`ray stop` on that node) or set RAY_PORT to a free port" in line
+        assert "gcs_client" not in result.stderr + result.stdout  # Ray's retries: in the run's ray-wait.log
+    finally:
+        stop_group(left)
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_gpus_held_by_a_killed_runs_processes_are_refused_naming_them(ray_env, tmp_path):
+    """nvidia-smi (a stand-in here: this machine has no GPU) lists a vLLM engine on the node's GPU, as after a GRPO
+    run taken by SIGKILL: a new launch there would wait for memory it cannot get. One line, the pid to stop."""
+    import stat
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                   "  --query-compute-apps*) echo 'GPU-aaaa, 4242, VLLM::EngineCore, 61234' ;;\n"
+                   "  *) echo '0, GPU-aaaa, NVIDIA H200, 143771, 580.82, Default' ;;\nesac\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    env = {**ray_env, "PATH": f"{smi.parent}:{os.environ['PATH']}"}
+    for command in ("sft", "grpo-head"):
+        line = assert_one_line_error(run_app(command, env=env))
+        assert line.startswith("error: this node's GPUs are in use by pid 4242 (VLLM::EngineCore, 61234 MiB), perhaps "
+                               "left by a run that was killed: stop it (kill PID) before make"), line
+    assert not Path(ray_env["CKPT_DIR"]).exists()

@@ -120,7 +120,7 @@ def test_secrets_are_never_printed(dotenv):
     (["sft"], "NODE_RANK", "one", "NODE_RANK='one' is not a whole number >= 0"),
     (["grpo-worker"], "WAIT_TIMEOUT", "10m", "WAIT_TIMEOUT='10m' is not a whole number >= 0"),
     (["smoke"], "SMOKE_STEPS", "many", "SMOKE_STEPS='many' is not a whole number >= 0"),
-    (["eval"], "LIMIT", "-1", "LIMIT='-1' is not a whole number >= 0"),
+    (["eval"], "LIMIT", "-1", "LIMIT='-1' is not a whole number >= 1"),
     (["sft"], "DRY_RUN", "maybe", "DRY_RUN='maybe' is not 1 or 0"),
     (["merge"], "JOB", "ppo", "JOB='ppo' is not sft or grpo"),
     (["eval"], "EVAL_BACKEND", "tgi", "EVAL_BACKEND='tgi' is not auto, vllm, hf or reference"),
