@@ -13,6 +13,10 @@ PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 # exports command-line variables to every recipe); the app reads .env itself, below both. So does compose,
 # for the containers. RUNTIME, PYTHON and IB are make's own: the command line or the shell only.
 
+# Hydra's own ${...} in ARGS (ARGS='trainer.project_name=x-${oc.env:HOSTNAME}') reaches the app as written:
+# make would expand it as one of its own variables, to nothing.
+$(foreach v,ARGS RAY_START_ARGS,$(if $(filter undefined,$(origin $(v))),,$(eval override $(v) := $$(value $(v)))$(eval export $(v))))
+
 # The docker side (app/containers.py): image, build and overlay settings. GPU and IB = auto|0|1: the GPU
 # (compose.gpu.yaml) and InfiniBand (compose.ib.yaml) overlays, auto = where the node has them.
 export RUNTIME IMAGE FLAVOR BASE_IMAGE BUILDER SITE_CA WHEELS TORCH_INDEX_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL \

@@ -342,6 +342,9 @@ def check_settings(settings: Settings) -> list[Check]:
     detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
               + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
     problems, fixes = [], []
+    if settings.repeated:
+        problems.append(f"set twice in {settings.env_file}, the last counts: {', '.join(settings.repeated)}")
+        fixes.append("keep one line each")
     if settings.misspelt:
         problems.append(f"in {settings.env_file} but no setting: {', '.join(settings.misspelt)}")
         fixes.append("rename it (`make settings` lists every setting)")

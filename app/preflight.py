@@ -128,10 +128,11 @@ def check_model(spec: Spec) -> None:
                         "with config.json, the tokenizer files and the weights")
 
 
-def check_values(spec: Spec) -> None:
+def check_values(spec: Spec, warnings: list[str]) -> None:
     """The values ARGS and CONFIG set, against the type of verl's packaged default there (true/false, a number),
     and the few ranges verl does not check: `optim.lr=abc` or `data.train_batch_size=0` would pass composition and
-    fail, or train nothing, minutes into the run. The deep check adds verl's dataclasses' own types."""
+    fail, or train nothing, minutes into the run. The deep check adds verl's dataclasses' own types. What verl will
+    ignore (verl's own recipes carry such keys) is said, not refused."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -158,6 +159,22 @@ def check_values(spec: Spec) -> None:
             raise UserError(f"{key}={value} from {source}: it must be a whole number, at least 1")
         if key in LEARNING_RATES and type(value) in (int, float) and value <= 0:
             raise UserError(f"{key}={value} from {source}: a learning rate must be above 0, e.g. 1e-5")
+        warnings += [f"{key}={value} from {source}: {why}" for why in [ignored_by_verl(spec, key)] if why]
+
+
+def ignored_by_verl(spec: Spec, key: str) -> str | None:
+    """Why verl will not read `key` in this run, as what to do instead; None where it will."""
+    if key.startswith("critic.") and spec.job == "grpo" and spec.get("algorithm.adv_estimator") != "gae" \
+            and not spec.get("critic.enable"):
+        return (f"algorithm.adv_estimator={spec.get('algorithm.adv_estimator')} trains no critic, so verl ignores "
+                "critic.*; for PPO with a critic: ARGS='algorithm.adv_estimator=gae'")
+    section, _, name = key.rpartition(".")
+    if "micro_batch_size" in name:  # under dynamic batching verl packs by the token budget instead
+        flag = "data.use_dynamic_bsz" if section == "data" else \
+            f"{section}.{'use_dynamic_bsz' if name.startswith('ppo_') else 'log_prob_use_dynamic_bsz'}"
+        if spec.get(flag):
+            return f"verl ignores it under {flag}=true, where the token budget decides; set {flag}=false to use it"
+    return None
 
 
 def user_keys(spec: Spec) -> dict[str, str]:
@@ -324,7 +341,7 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     check_node(spec, plan.warnings, plan.notes)
     if gpus:
         refuse_without_gpus(spec, "make sft" if job == "sft" else "make grpo-head")
-    check_values(spec)
+    check_values(spec, plan.warnings)
     refuse_unusable_run_dir(spec.run_dir, writable=False)  # write access: the launch's (`make check` runs anywhere)
     check_model(spec)
     plan.notes += perf.notes_for(spec.notes, spec)

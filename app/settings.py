@@ -472,6 +472,7 @@ class Settings:
     misspelt: tuple[str, ...] = ()  # names in .env close to a setting's but none: "NNODE (did you mean NNODES?)"
     args: tuple[str, ...] = ()  # ARGS less the overrides read as settings: what Hydra gets, last
     config: Mapping[str, object] | None = None  # CONFIG's leaves {dotted key: value}, read once
+    repeated: tuple[str, ...] = ()  # names .env sets twice to different values: "NNODES (line 2: 1, line 9: 2)"
 
     def __getitem__(self, name: str) -> Any:
         value = self.values[name]
@@ -513,6 +514,8 @@ class Settings:
     def check(self, command: str) -> None:
         """Refuse, one line, the first bad value among the variables `command` reads; a launch also refuses a
         misspelt name in .env (doctor warns of it)."""
+        if self.repeated and command in LAUNCH:
+            raise UserError(f"{self.env_file} sets {', '.join(self.repeated)}: only the last counts; keep one line each")
         if self.misspelt and command in LAUNCH:
             many = len(self.misspelt) > 1
             raise UserError(f"{self.env_file}: {', '.join(self.misspelt)} {'are' if many else 'is'} not a setting, so "
@@ -548,6 +551,19 @@ def read_dotenv(path: Path) -> dict[str, str]:
     return {name: value for name, value in values.items() if value is not None}
 
 
+def repeated(path: Path) -> list[str]:
+    """`NAME (line 3: a, line 9: b)` for each name that `path` sets twice to different values: compose and dotenv
+    keep the last without a word, which is rarely what the one who wrote the first meant."""
+    from dotenv.parser import parse_stream
+
+    seen: dict[str, list[tuple[int, str]]] = {}
+    for binding in parse_stream(io.StringIO(path.read_text(encoding="utf-8"))):
+        if binding.key:
+            seen.setdefault(binding.key, []).append((binding.original.line, binding.value))
+    return [f"{name} ({', '.join(f'line {line}: {value}' for line, value in lines)})" for name, lines in seen.items()
+            if len({value for _, value in lines}) > 1]
+
+
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the settings once: `environ` (default: this process's environment) over ENV_FILE (default
     ./.env, where make and compose run) over the defaults. Bad values are kept as errors;
@@ -555,9 +571,10 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     # The one read of the process environment: everything else gets it from here.
     shell = dict(os.environ if environ is None else environ)
     env_file = Path(shell.get("ENV_FILE") or ".env")
-    if shell.get("ENV_FILE") and not env_file.exists():  # asked for by name: silence would run on defaults
-        raise UserError(f"ENV_FILE={shell['ENV_FILE']} does not exist: point it at your dotenv file, or unset "
-                        "it to read ./.env")
+    if shell.get("ENV_FILE") and not env_file.is_file() and str(env_file) != os.devnull:
+        # asked for by name: silence would run on the defaults
+        raise UserError(f"ENV_FILE={shell['ENV_FILE']} {'is not a file' if env_file.exists() else 'does not exist'}: "
+                        "point it at your dotenv file, or unset it to read ./.env")
     dotenv = read_dotenv(env_file) if env_file.is_file() else {}
     values, ignored = {}, []
     for var in REGISTRY:
@@ -572,7 +589,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             values[var.name] = _value(var, None, "default")
     args, config = _owned_by_args_and_config(values)
     return Settings(MappingProxyType(values), MappingProxyType(shell), MappingProxyType(dict(dotenv)), env_file,
-                    tuple(ignored), tuple(misspelt(dotenv)), args, config)
+                    tuple(ignored), tuple(misspelt(dotenv)), args, config, tuple(repeated(env_file) if dotenv else ()))
 
 
 def _owned_by_args_and_config(values: dict[str, Value]) -> tuple[tuple[str, ...], Mapping[str, object] | None]:
@@ -646,6 +663,8 @@ def misspelt(dotenv: Mapping[str, str]) -> list[str]:
     case, an underscore more or less, or without its plural S (NNODE, DATADIR, model_path): .env hands it on to
     the processes, but the stack itself would not read it, and NNODE=2 would train on one node. Anything else in
     .env (WANDB_API_KEY, NVIDIA_VISIBLE_DEVICES, a proxy) is the user's and passes."""
+    import difflib
+
     def shape(name: str) -> str:
         return name.upper().replace("_", "")
 
@@ -656,9 +675,12 @@ def misspelt(dotenv: Mapping[str, str]) -> list[str]:
     for name in dotenv:
         if name in BY_NAME or len(name) < 5:  # too short to tell a typo from a name of one's own
             continue
+        # one letter more, less or other in a longer name (GPU_PER_NODE, MASTER_ADR); NVIDIA_VISIBLE_DEVICES is not
         close = ours.get(shape(name))
+        if not close and len(shape(name)) >= 8:
+            close = next(iter(difflib.get_close_matches(shape(name), ours, 1, 0.9)), None)
         if close:
-            out.append(f"{name} (did you mean {close}?)")
+            out.append(f"{name} (did you mean {ours.get(close, close)}?)")
     return out
 
 

@@ -26,7 +26,7 @@ def settings_table(result) -> dict[str, tuple[str, str]]:
     assert result.returncode == 0, result.stderr
     out = {}
     for line in result.stdout.splitlines()[1:]:
-        match = re.match(r"  (\S+)\s+(shell|\.env|default|unset)\s?\s*(.*)$", line)
+        match = re.match(r"  (\S+)\s+(shell|\.env|ARGS|CONFIG|default|unset)\s?\s*(.*)$", line)
         if match:
             out[match.group(1)] = (match.group(2), match.group(3).strip())
     return out
@@ -308,6 +308,33 @@ def test_a_launch_refuses_a_misspelt_setting_in_dotenv_and_doctor_warns_of_it(do
     assert app_with(dotenv, "settings", text="NNODE=2\n").returncode == 0  # only a launch refuses
     # the others alone do not stop a launch
     assert "not a setting" not in app_with(dotenv, "sft", text=theirs, DRY_RUN="1").stderr
+    # a letter more or less inside a longer name: a typo no case or underscore rule catches
+    line = assert_one_line_error(app_with(dotenv, "sft", text="GPU_PER_NODE=2\nMASTER_ADR=127.0.0.1\n", DRY_RUN="1"))
+    assert "GPU_PER_NODE (did you mean GPUS_PER_NODE?), MASTER_ADR (did you mean MASTER_ADDR?) are not a setting" in line
+
+
+def test_a_setting_written_twice_with_different_values_in_dotenv_is_refused_by_a_launch(dotenv):
+    text = "NNODES=1\nMODEL_PATH=/m\nNNODES=2\nGPUS_PER_NODE=1\nGPUS_PER_NODE=1\n"  # the same value twice is fine
+    line = assert_one_line_error(app_with(dotenv, "sft", text=text, DRY_RUN="1"))
+    assert line == (f"error: {dotenv} sets NNODES (line 1: 1, line 3: 2): only the last counts; keep one line each")
+    assert "set twice in " + str(dotenv) + ", the last counts: NNODES (line 1: 1, line 3: 2)" in \
+        app_with(dotenv, "doctor", text=text).stdout
+
+
+def test_env_file_naming_a_directory_is_refused_not_read_as_no_settings(tmp_path):
+    line = assert_one_line_error(run_app("settings", env={"ENV_FILE": str(tmp_path)}))
+    assert line == f"error: ENV_FILE={tmp_path} is not a file: point it at your dotenv file, or unset it to read ./.env"
+
+
+def test_make_hands_args_to_the_app_as_written_hydras_interpolations_included(tmp_path):
+    """make would expand ${oc.env:HOSTNAME,n} on its command line as a make variable, to nothing."""
+    args = "trainer.project_name=x-${oc.env:HOSTNAME,n} trainer.experiment_name=mine"
+    result = subprocess.run(["make", "-s", "--no-print-directory", "settings", f"ARGS={args}", "RUNTIME=local"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "ENV_FILE": os.devnull})
+    table = settings_table(result)
+    assert table["ARGS"] == ("shell", args)
+    assert table["EXPERIMENT"] == ("ARGS", "mine")  # an ARGS key that a setting owns is that setting
 
 
 def test_a_dotenv_that_is_not_utf8_and_a_missing_env_file_are_refused_in_one_line(dotenv, tmp_path):
