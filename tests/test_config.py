@@ -614,3 +614,24 @@ def test_preflight_refuses_prompts_verl_would_truncate_with_the_filter_off(launc
     env["ARGS"] = f"data.max_prompt_length={limit} data.train_batch_size=5 actor_rollout_ref.actor.ppo_mini_batch_size=5"
     line = assert_one_line_error(run_app("check", "grpo", env=env))
     assert "would leave 4 train prompts" in line and "fewer than data.train_batch_size=5" in line
+
+
+# --- verl's own recipes, brought as they are -------------------------------------------------------------
+@pytest.mark.parametrize("job, args, said", [
+    ("grpo", "critic.ppo_micro_batch_size_per_gpu=8 critic.optim.lr=1e-5",
+     "critic.ppo_micro_batch_size_per_gpu=8 from ARGS: algorithm.adv_estimator=grpo trains no critic, so verl ignores "
+     "critic.*; for PPO with a critic: ARGS='algorithm.adv_estimator=gae'"),
+    ("grpo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 from ARGS: verl ignores it under "
+     "actor_rollout_ref.actor.use_dynamic_bsz=true, where the token budget decides"),
+    ("grpo", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+     "verl ignores it under actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true"),
+    ("sft", "data.micro_batch_size_per_gpu=2", "verl ignores it under data.use_dynamic_bsz=true"),
+])
+def test_a_recipes_keys_that_verl_will_ignore_are_said_not_refused(launch_env, monkeypatch, job, args, said):
+    monkeypatch.setenv("ARGS", args)
+    warnings = plan_of(job).warnings
+    assert [w for w in warnings if said in w], warnings
+    monkeypatch.setenv("ARGS", args + (" actor_rollout_ref.actor.use_dynamic_bsz=false" if "actor." in args else ""))
+    if "actor." in args:  # with dynamic batching off, verl reads it: nothing to say
+        assert not [w for w in plan_of(job).warnings if "verl ignores it" in w]
