@@ -25,7 +25,7 @@ export RUNTIME IMAGE FLAVOR BASE_IMAGE BUILDER SITE_CA WHEELS TORCH_INDEX_URL PI
 app = $(if $(filter local,$(RUNTIME)),$(PYTHON) -m app,$(PYTHON) -m app.containers run $(1))
 
 .PHONY: help setup test test-containers prep data-check check sft grpo-head grpo-worker gather merge eval \
-        report board doctor smoke demo build lock tiny-model settings
+        report board doctor smoke demo build lock tiny-model settings slurm k8s
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -75,6 +75,12 @@ board: ## local swanlab dashboard of a run on 127.0.0.1:5092 (RUN, BOARD_HOST, B
 
 doctor: ## is this node ready? what to fix, one line each
 	$(call app,ray-worker) doctor
+
+slurm: ## an sbatch script for this run: make slurm JOB=sft|grpo [SUBMIT=1] [SLURM_CONTAINER=none|docker|pyxis|apptainer]
+	$(call app,merger) slurm
+
+k8s: ## Kubernetes manifests for this run: make k8s JOB=sft|grpo (KubeRay RayJob; PyTorchJob or K8S_SFT=indexed)
+	$(call app,merger) k8s
 
 settings: ## every variable, its value here and where it came from (shell, .env, default)
 	$(call app,merger) settings

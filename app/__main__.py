@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("app.smoke", "the whole pipeline on one GPU with a tiny local model"),
     "demo": ("app.demo", "proof of learning on one GPU: SFT then GRPO raise a tiny model's arith accuracy"),
     "tiny-model": ("app.tiny", "write a tiny random Qwen2 model + tokenizer (tests, smoke, benchmarks)"),
+    "slurm": ("app.schedulers", "write an sbatch script for the run: slurm sft|grpo (SUBMIT=1 submits it)"),
+    "k8s": ("app.schedulers", "write Kubernetes manifests for the run: k8s sft|grpo (RayJob, PyTorchJob)"),
     "settings": ("app.settings", "every variable, its value here and where it came from (shell, .env, default)"),
 }
 

@@ -103,16 +103,19 @@ def run_dir_held(plan: Preflight, node_name: str, command: str, dry: bool):
 
 
 def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str],
-                timeline: Timeline | None = None) -> int:
-    """Run a long foreground process with our environment, in a process group of its own (its output is the
-    progress, copied through line by line for the timeline to read). Interrupted (Ctrl-C, SIGTERM), it and its
-    children get SIGTERM and time to stop."""
-    say(f"$ {shlex.join(command)}")
-    pipe = subprocess.PIPE if timeline else None
+                timeline: Timeline | None = None, log: Path | None = None) -> int:
+    """Run a long foreground process with our environment, in a process group of its own: its output is the
+    progress, copied through line by line for the timeline to read, or goes to `log`. Interrupted (Ctrl-C,
+    SIGTERM), it and its children get SIGTERM and time to stop."""
+    say(f"$ {shlex.join(command)}" + (f" (its output: {log})" if log else ""))
+    pipe = open(log, "a") if log else subprocess.PIPE if timeline else None
     process = subprocess.Popen(command, env=settings.environ({**extra_env, "PYTHONUNBUFFERED": "1"}), stdout=pipe,
-                               stderr=pipe, text=True, errors="replace", start_new_session=True)
+                               stderr=subprocess.STDOUT if log else pipe, text=True, errors="replace",
+                               start_new_session=True)
+    if log:
+        pipe.close()
     copies = [threading.Thread(target=_copy, args=(source, sink, timeline), daemon=True)
-              for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)) if source]
+              for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)) if source and timeline]
     for copy in copies:
         copy.start()
     try:
@@ -142,6 +145,15 @@ def tracking(run: Path, settings: Settings, dry: bool) -> dict[str, str]:
         for directory in fresh:  # children first; only the empty ones this call created
             if directory.is_dir() and not any(directory.iterdir()):
                 directory.rmdir()
+
+
+def last_line(log: Path) -> str:
+    """The last line a process wrote to `log`, and where the rest is: for a one-line error about it."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    return f"{lines[-1].strip()[:200] if lines else 'no output'}; all of it in {log}"
 
 
 def hydra_args(job: str, overrides: list[str]) -> list[str]:
@@ -237,13 +249,25 @@ def ray_cli() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
+def ray_ports(settings: Settings, head: bool) -> list[str]:
+    """`ray start` flags that keep every port of this node's Ray in RAY_PORTS (the head's GCS is RAY_PORT)."""
+    if settings["RAY_PORTS"] is None:
+        return []
+    low, high = settings["RAY_PORTS"]
+    fixed = ["--node-manager-port", "--object-manager-port", "--runtime-env-agent-port", "--dashboard-agent-grpc-port",
+             "--dashboard-agent-listen-port", "--metrics-export-port", *(["--dashboard-port", "--ray-client-server-port"]
+                                                                          if head else [])]
+    return [arg for i, flag in enumerate(fixed) for arg in (flag, str(low + i))] + \
+        ["--min-worker-port", str(low + 10), "--max-worker-port", str(high)]
+
+
 def head_command(spec: specs.Spec) -> list[str]:
     """`ray start --head --block`: blocking, so stopping it stops exactly the Ray processes it started.
     The dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
     settings = spec.settings
     return [*ray_cli(), "start", "--head", "--block", "--node-ip-address", settings["HEAD_IP"] or "127.0.0.1",
             "--port", str(settings["RAY_PORT"]), "--dashboard-host", settings["DASHBOARD_HOST"],
-            "--disable-usage-stats", *settings.get("RAY_START_ARGS", ())]
+            "--disable-usage-stats", *ray_ports(settings, head=True), *settings.get("RAY_START_ARGS", ())]
 
 
 def worker_command(spec: specs.Spec) -> list[str]:
@@ -251,7 +275,7 @@ def worker_command(spec: specs.Spec) -> list[str]:
     command = [*ray_cli(), "start", "--address", spec.ray_address, "--block", "--disable-usage-stats"]
     if settings["NODE_IP"]:
         command += ["--node-ip-address", settings["NODE_IP"]]
-    return command + list(settings.get("RAY_START_ARGS", ()))
+    return command + ray_ports(settings, head=False) + list(settings.get("RAY_START_ARGS", ()))
 
 
 class ClusterAddressFile:
@@ -326,8 +350,8 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     host, port = address.rsplit(":", 1)
     while not node.port_open(host, int(port)):
         if head is not None and head.poll() is not None:
-            raise UserError(f"`ray start --head` exited with code {head.returncode} (its output is above): "
-                            f"is {address} already in use or not this machine's address? set HEAD_IP / RAY_PORT")
+            raise UserError(f"`ray start --head` exited with code {head.returncode} ({last_line(run.parent / 'ray-head.log')}"
+                            f"): is {address} already in use or not this machine's address? set HEAD_IP / RAY_PORT")
         if time.monotonic() > deadline:
             raise UserError(f"the Ray head at {address} did not come up within {timeout:.0f}s: see its output above")
         time.sleep(0.5)
@@ -458,7 +482,13 @@ def launch_grpo_head(settings: Settings) -> int:
     timeout = settings["WAIT_TIMEOUT"]
     with run_dir_held(plan, "head", "make grpo-head", dry) as timeline:  # FRESH first: token, tracking: the new run
         track = tracking(spec.run_dir, settings, dry)
-        auth = ray_auth_env(spec.run_dir, settings, create=not dry)
+        existing = not dry and node.port_open(settings["HEAD_IP"] or "127.0.0.1", settings["RAY_PORT"])
+        if existing:  # a head this command does not start (KubeRay's, a user's): its own authentication stands
+            holder = node.port_holder(settings["RAY_PORT"])
+            if holder and "gcs_server" not in holder:
+                raise UserError(f"RAY_PORT {settings['RAY_PORT']} is in use by {holder}, which is not a Ray head: "
+                                "stop it, or set RAY_PORT to a free port (the same on every node)")
+        auth = ray_auth_env(spec.run_dir, settings, create=not dry) if settings["RAY_AUTH_TOKEN"] or not existing else {}
         head_cmd = head_command(spec)
         # this attempt's tracking settings and vLLM's cache setting also travel in the job's runtime_env, to actors
         # on every node, even under a Ray head this command did not start
@@ -483,16 +513,14 @@ def launch_grpo_head(settings: Settings) -> int:
         warm: subprocess.Popen | None = None
         try:
             warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
-            if node.port_open(settings["HEAD_IP"] or "127.0.0.1", settings["RAY_PORT"]):
-                holder = node.port_holder(settings["RAY_PORT"])
-                if holder and "gcs_server" not in holder:
-                    raise UserError(f"RAY_PORT {settings['RAY_PORT']} is in use by {holder}, which is not a Ray head: "
-                                    "stop it, or set RAY_PORT to a free port (the same on every node)")
+            if existing:
                 say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
             else:
-                say(f"$ {shlex.join(head_cmd)}")
+                say(f"$ {shlex.join(head_cmd)} (its output: {logs_dir(spec.run_dir) / 'ray-head.log'})")
                 address_file = ClusterAddressFile(spec.ray_address, settings)
-                head = subprocess.Popen(head_cmd, env=settings.environ(extra), start_new_session=True)
+                with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
+                    head = subprocess.Popen(head_cmd, env=settings.environ(extra), stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
             nodes = wait_for_nodes(spec.ray_address, spec.nnodes, spec.gpus_per_node, timeout, fingerprint, head,
                                    on_up=lambda: timeline.stamp("Ray head up"))
             timeline.stamp("all nodes joined")
@@ -583,14 +611,15 @@ def _run_worker(spec: specs.Spec, command: list[str], environment: dict[str, str
     settings = spec.settings
     while True:
         started = time.monotonic()
-        rc = run_process(settings, "grpo-worker", command, environment)
+        log = logs_dir(spec.run_dir) / f"ray-worker-{settings['NODE_IP'] or socket.gethostname()}.log"
+        rc = run_process(settings, "grpo-worker", command, environment, log=log)
         if not node.port_open(settings["HEAD_IP"], settings["RAY_PORT"]):
             return
         if time.monotonic() - started < 30 and time.monotonic() < deadline:
             warn(f"`ray start` exited with code {rc} right away; retrying in 5s (head still starting?)")
             time.sleep(5)
             continue
-        raise UserError(f"`ray start` exited with code {rc} while the head still answers (output above): "
+        raise UserError(f"`ray start` exited with code {rc} while the head still answers ({last_line(log)}): "
                         "check the token (RAY_AUTH_TOKEN / token file) is the head's, then rerun")
 
 

@@ -29,7 +29,7 @@ from app.common import REPO_ROOT, ArgParser, UserError, say
 # The commands of `python -m app` (see app/__main__.py), and three readers outside it: the Makefile
 # itself, compose's interpolation (image, build arguments) and the processes a launch starts.
 LAUNCH = ("sft", "grpo-head", "grpo-worker")
-PREFLIGHT = ("check", "config", *LAUNCH, "doctor")
+PREFLIGHT = ("check", "config", *LAUNCH, "doctor", "slurm", "k8s")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class Var:
             return "words split like a shell line"
         if self.kind == "step":
             return "latest or a step number"
+        if self.kind == "portrange":
+            return "a port range LOW-HIGH, 1024 <= LOW, at least 50 ports"
         return "any text"
 
 
@@ -100,6 +102,9 @@ REGISTRY: tuple[Var, ...] = (
         G_CLUSTER, example="<head node IP>"),
     Var("RAY_PORT", "port", "6379", "the Ray head's port (GRPO)", "Ray head 的端口（GRPO）",
         ("grpo-head", "grpo-worker", "check", "config", "doctor"), G_CLUSTER, example="6379"),
+    Var("RAY_PORTS", "portrange", None, "the range Ray's other ports stay in on every node (a firewall's opening), "
+        "e.g. 30000-30999: its node and object managers, agents, dashboard, workers", "Ray 其余端口在每个节点上所用的"
+        "范围（防火墙开放的范围），如 30000-30999", ("grpo-head", "grpo-worker"), G_CLUSTER),
     Var("NODE_IP", "ip", None, "this node's IP for Ray (worker; default: Ray's guess)",
         "本节点给 Ray 用的 IP（worker；默认由 Ray 推断）", ("grpo-worker",), G_CLUSTER, example="<this node's IP>"),
     Var("DASHBOARD_HOST", "ip", "127.0.0.1", "where the Ray dashboard listens", "Ray 仪表盘监听地址",
@@ -148,7 +153,7 @@ REGISTRY: tuple[Var, ...] = (
         key="trainer.experiment_name"),
     Var("JOB", "choice", None, "which job's run merge/gather/report/eval use, and `make check` checks "
         "(default: the one run present; check: sft)", "merge/gather/report/eval 用哪个任务的运行、`make check` 检查哪个"
-        "（默认：现有的那个运行；check 默认 sft）", ("check", "doctor", "gather", "merge", "eval", "report"),
+        "（默认：现有的那个运行；check 默认 sft）", ("check", "doctor", "gather", "merge", "eval", "report", "slurm", "k8s"),
         G_RUN, choices=("sft", "grpo")),
     Var("ARGS", "words", None, "Hydra overrides appended last: ARGS=\"optim.lr=2e-5 trainer.total_epochs=1\" "
         "(a key that a setting owns, e.g. model.path or trainer.experiment_name, is taken as that setting)",
@@ -185,8 +190,27 @@ REGISTRY: tuple[Var, ...] = (
         "eval：要评测的 RL parquet（默认 DATA_DIR/gsm8k/test.parquet）", ("eval",), G_ONCE),
     Var("LIMIT", "int", None, "eval: the first N test rows (default all)", "eval：只取前 N 行（默认全部）",
         ("eval",), G_ONCE, minimum=1),
-    Var("OUT", "path", None, "eval's output (default <model>/eval); tiny-model's (default models/tiny)",
-        "eval 的输出（默认 <模型>/eval）；tiny-model 的输出（默认 models/tiny）", ("eval", "tiny-model"), G_ONCE),
+    Var("OUT", "path", None, "eval's output (default <model>/eval); tiny-model's (default models/tiny); slurm's and "
+        "k8s's file (default slurm-JOB.sbatch, k8s-JOB.yaml)", "eval 的输出（默认 <模型>/eval）；tiny-model 的输出（默认 "
+        "models/tiny）；slurm、k8s 写出的文件（默认 slurm-JOB.sbatch、k8s-JOB.yaml）", ("eval", "tiny-model", "slurm", "k8s"),
+        G_ONCE),
+    Var("SUBMIT", "flag", "0", "make slurm: also submit the script (sbatch)", "make slurm：写出后直接提交（sbatch）",
+        ("slurm",), G_ONCE),
+    Var("SLURM_CONTAINER", "choice", "none", "make slurm: how each task runs the stack: none (this checkout's .venv or "
+        "PYTHON on every node), docker (make's compose), pyxis (srun --container-image=IMAGE), apptainer (IMAGE, a .sif)",
+        "make slurm：每个任务如何运行：none（各节点上本仓库的 .venv 或 PYTHON）、docker（compose）、pyxis（srun "
+        "--container-image=IMAGE）、apptainer（IMAGE 为 .sif 文件）", ("slurm",), G_CLUSTER,
+        choices=("none", "docker", "pyxis", "apptainer")),
+    Var("SLURM_OPTIONS", "words", None, "make slurm: more #SBATCH lines, e.g. \"--partition=gpu --time=8:00:00\"",
+        "make slurm：追加的 #SBATCH 选项，如 \"--partition=gpu --time=8:00:00\"", ("slurm",), G_CLUSTER),
+    Var("K8S_PVC", "text", "verl-stack", "make k8s: the PersistentVolumeClaim every pod mounts (model, data, runs)",
+        "make k8s：每个 pod 挂载的 PVC（模型、数据、运行目录）", ("k8s",), G_CLUSTER),
+    Var("K8S_MOUNT", "path", "/workspace", "make k8s: where the PVC is mounted in every pod; MODEL_PATH, DATA_DIR and "
+        "CKPT_DIR lie under it", "make k8s：PVC 在每个 pod 中的挂载点；MODEL_PATH、DATA_DIR、CKPT_DIR 须在其下",
+        ("k8s",), G_CLUSTER),
+    Var("K8S_SFT", "choice", "pytorchjob", "make k8s JOB=sft: a Training Operator PyTorchJob, or an Indexed Job with a "
+        "headless Service where the operator is absent", "make k8s JOB=sft：Training Operator 的 PyTorchJob，或集群中"
+        "没有该 operator 时的 Indexed Job 加 headless Service", ("k8s",), G_CLUSTER, choices=("pytorchjob", "indexed")),
     Var("EVAL_BACKEND", "choice", "auto", "eval's generator (auto: vLLM on a GPU, else transformers)",
         "eval 的生成后端（auto：有 GPU 用 vLLM，否则 transformers）", ("eval",), G_ONCE,
         choices=("auto", "vllm", "hf", "reference")),
@@ -234,7 +258,7 @@ REGISTRY: tuple[Var, ...] = (
         "Hugging Face 自己的变量：1 = 从不访问 hub（离线集群）", (*LAUNCH, "eval", "prep"), G_PASS, example="1"),
     # --- the image (compose reads these itself, from .env too) -------------------------------------
     Var("IMAGE", "text", "verl-stack:0.1.0", "the image every service runs (`make build` tags it)",
-        "所有服务运行的镜像（`make build` 打的标签）", ("compose",), G_BUILD, example="verl-stack:0.1.0",
+        "所有服务运行的镜像（`make build` 打的标签）", ("compose", "slurm", "k8s"), G_BUILD, example="verl-stack:0.1.0",
         passthrough=False),
     Var("FLASH_ATTN_CUDA_ARCHS", "text", "80;90", "GPU archs flash-attn is built for (80 = A100, 90 = H100/H200)",
         "flash-attn 编译的 GPU 架构（80 = A100，90 = H100/H200）", ("compose",), G_BUILD, passthrough=False),
@@ -318,6 +342,12 @@ def parse(var: Var, raw: str) -> Any:
         if text.startswith("[") and text.endswith("]"):
             return tuple(_unquoted(item) for item in text[1:-1].split(",") if item.strip())
         return (raw,)
+    if kind == "portrange":  # LO-HI: room for a node's fixed ports and a worker port each
+        low, _, high = raw.partition("-")
+        if not (low.strip().isdigit() and high.strip().isdigit() and 1024 <= int(low) and int(low) + 50 <= int(high)
+                <= 65535):
+            raise ValueError(raw)
+        return int(low), int(high)
     if kind == "step":
         if raw.strip() == "latest":
             return "latest"
@@ -505,8 +535,8 @@ class Settings:
                 continue  # as load() reads them: make's own are not the app's; CUDA_VISIBLE_DEVICES="" stands
             if value and not out.get(name):
                 out[name] = value
-        for name, value in self.values.items():  # what ARGS and CONFIG gave, as settings: compose mounts them
-            if value.source in ("ARGS", "CONFIG"):
+        for name, value in self.values.items():  # what ARGS, CONFIG, a scheduler gave: compose mounts, passes them
+            if value.source not in ("shell", ".env", "default"):
                 out[name] = value.raw
         out.update(extra or {})
         return out
@@ -588,6 +618,12 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         else:
             values[var.name] = _value(var, None, "default")
     args, config = _owned_by_args_and_config(values)
+    from app.schedulers import facts
+
+    scheduler, given = facts(shell)  # a Slurm job, a Kubernetes pod, SkyPilot: node facts the user did not set
+    for name, text in given.items():
+        if text and values[name].raw is None:
+            values[name] = _value(BY_NAME[name], text, scheduler)
     return Settings(MappingProxyType(values), MappingProxyType(shell), MappingProxyType(dict(dotenv)), env_file,
                     tuple(ignored), tuple(misspelt(dotenv)), args, config, tuple(repeated(env_file) if dotenv else ()))
 
@@ -730,7 +766,8 @@ def _allowed_text(var: Var, zh: bool) -> str:
              "ip": ("IP address", "IP 地址"), "ipv4": ("IPv4 address", "IPv4 地址"),
              "host": ("IP address or hostname", "IP 地址或主机名"), "flag": ("`1` / `0`", "`1` / `0`"),
              "words": ("shell words", "shell 词"), "path": ("path", "路径"), "text": ("text", "文本"),
-             "paths": ("path or [a,b]", "路径或 [a,b]"), "step": ("latest or a number", "latest 或数字")}
+             "paths": ("path or [a,b]", "路径或 [a,b]"), "step": ("latest or a number", "latest 或数字"),
+             "portrange": ("ports LOW-HIGH", "端口范围 LOW-HIGH")}
     return words[var.kind][zh].format(m=var.minimum)
 
 

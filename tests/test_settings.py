@@ -26,7 +26,7 @@ def settings_table(result) -> dict[str, tuple[str, str]]:
     assert result.returncode == 0, result.stderr
     out = {}
     for line in result.stdout.splitlines()[1:]:
-        match = re.match(r"  (\S+)\s+(shell|\.env|ARGS|CONFIG|default|unset)\s?\s*(.*)$", line)
+        match = re.match(r"  (\S+)\s+(shell|\.env|ARGS|CONFIG|slurm|kubernetes|skypilot|default|unset)\s?\s*(.*)$", line)
         if match:
             out[match.group(1)] = (match.group(2), match.group(3).strip())
     return out
