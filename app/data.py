@@ -383,10 +383,10 @@ def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]
 def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], warnings: list[str]) -> bool:
     """Count the RL prompts' tokens with the tokenizer and chat template verl will use (app.spec's composed config).
     verl 0.9.1 left-truncates a prompt longer than actor_rollout_ref.rollout.prompt_length
-    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path), so a prompt that would reach
-    the rollout that long is refused. Its filter drops rows over data.max_prompt_length: said, and refused where
-    less than a batch (or no val row) is left. Returns True where the filter is on, every prompt fits and neither
-    CONFIG nor ARGS set it: then it can be turned off (verl counts row by row at every start)."""
+    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path): such a prompt is refused. Its
+    filter drops rows over data.max_prompt_length: said, and refused where less than a batch (or no val row) is
+    left. True where the filter is on, every prompt fits and neither CONFIG nor ARGS set it: then it can be
+    turned off (verl counts row by row at every start)."""
     from omegaconf import OmegaConf
 
     from app.spec import FILTER_KEY
@@ -411,19 +411,21 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
     key = sel("data.prompt_key") or "prompt"
     counts: dict[str, list[int]] = {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir),
+                                                  trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
         if sel(f"{model}.custom_chat_template"):
             tokenizer.chat_template = sel(f"{model}.custom_chat_template")
         for what, path in files:
             counts.setdefault(what, []).extend(prompt_lengths(path, tokenizer, key, kwargs, failed=limit + 1))
     except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
-        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}): "
+        reason = str(exc).splitlines()[0][:160] if str(exc) else ""
+        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {reason}): "
                         f"verl's filter ({FILTER_KEY}={filtering}) decides")
         return False
     shuffle, seed = bool(sel("data.shuffle")), sel("data.seed")
-    counts = {what: _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed) for what, lengths in counts.items()}
+    counts = {what: _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed)
+              for what, lengths in counts.items()}
     longest = max(max(lengths, default=0) for lengths in counts.values())
-    summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts.items())
     kept = {what: [n for n in lengths if n <= limit] if filtering else lengths for what, lengths in counts.items()}
     cut = ", ".join(f"{sum(n > cut_at for n in lengths)} of {len(lengths)} {what}" for what, lengths in kept.items()
                     if any(n > cut_at for n in lengths))
@@ -433,15 +435,20 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
                         f"{longest} tokens){'' if filtering else f' and {FILTER_KEY} is off'}: verl 0.9.1 would cut "
                         f"off their beginnings; raise data.max_prompt_length (and rollout.prompt_length where set) "
                         f"to {longest}{drop}")
-    batch, dropped = sel("data.train_batch_size"), {what: len(counts[what]) - len(kept[what]) for what in counts}
-    if len(kept["train"]) < batch or not kept.get("val", [1]):
-        what = "train" if len(kept["train"]) < batch else "val"
-        why = (f"verl's length filter would leave {len(kept[what])} {what} prompts (data.max_prompt_length={limit}, "
-               f"longest {longest} tokens)" if dropped[what] else f"{len(kept[what])} {what} prompts")
-        raise UserError(f"{why}{f', fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step would run' if what == 'train' else ''}; "
-                        + (f"raise data.max_prompt_length to {longest}" if dropped[what] else
-                           f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, len(kept[what]))}'"))
+    batch = sel("data.train_batch_size")
+    dropped = {what: len(counts[what]) - len(kept[what]) for what in counts}
+    short = "train" if len(kept["train"]) < batch else "val" if "val" in kept and not kept["val"] else None
+    if short:
+        left = len(kept[short])
+        why = (f"verl's length filter would leave {left} {short} prompts (data.max_prompt_length={limit}, "
+               f"longest {longest} tokens)" if dropped[short] else f"{left} {short} prompts")
+        if short == "train":
+            why += f", fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step would run"
+        todo = (f"raise data.max_prompt_length to {longest}" if dropped[short] else
+                f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, left)}'")
+        raise UserError(f"{why}; {todo}")
     if not any(dropped.values()):
+        summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts.items())
         note = f"prompt lengths: longest {longest} tokens of {summary} prompts, within data.max_prompt_length={limit}"
         user = {o.lstrip("+").split("=", 1)[0] for o in spec.args} | set(spec.settings.config or {})
         if filtering and FILTER_KEY not in user:
@@ -457,15 +464,14 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
 
 def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", template_kwargs: dict | None = None,
                    chunk: int = 4096, failed: int | None = None) -> list[int]:
-    """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the
-    chat template with the generation prompt, tokenized without special tokens. Written here because verl
-    counts row by row in `datasets.filter` (single process by default) at every start; a fast tokenizer
-    encodes a chunk of rows in one call. A chunk that fails is counted row by row, and a row whose template
-    fails counts as `failed` (verl's filter drops it: it counts max_prompt_length + 1)."""
+    """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the chat
+    template with the generation prompt, tokenized without special tokens. verl counts row by row (in
+    `datasets.filter`, one process by default) at every start; a fast tokenizer encodes a chunk in one call. A
+    failed chunk is counted row by row; a row whose template fails counts as `failed` (verl: max_prompt_length + 1)."""
     import pyarrow.parquet as pq
 
-    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("tokenize", "return_dict",
-                                                                              "return_tensors")}
+    skipped = ("tokenize", "return_dict", "return_tensors")
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in skipped}
 
     def count(rows: list) -> list[int]:
         texts = tokenizer.apply_chat_template(rows, add_generation_prompt=True, tokenize=False, **kwargs)
