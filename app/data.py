@@ -443,7 +443,8 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
         why = (f"verl's length filter would leave {left} {short} prompts (data.max_prompt_length={limit}, "
                f"longest {longest} tokens)" if dropped[short] else f"{left} {short} prompts")
         if short == "train":
-            why += f", fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step would run"
+            why += (f", fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step "
+                    "would run")
         todo = (f"raise data.max_prompt_length to {longest}" if dropped[short] else
                 f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, left)}'")
         raise UserError(f"{why}; {todo}")
@@ -475,7 +476,8 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
 
     def count(rows: list) -> list[int]:
         texts = tokenizer.apply_chat_template(rows, add_generation_prompt=True, tokenize=False, **kwargs)
-        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]]
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     with pq.ParquetFile(path) as parquet:
         rows = parquet.read(columns=[prompt_key]).column(prompt_key).to_pylist()
@@ -496,25 +498,23 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
 
 
 def _text_of_parts(content, where: str):
-    """Content given as parts ([{"type": "text", "text": ...}, ...], the OpenAI form) as one text: the parts back
-    to back, as the chat templates that accept parts render them. Anything but parts is returned as it is; a
-    part that is not text (an image, audio) is refused: the stack trains text models."""
+    """Content parts ([{"type": "text", "text": ...}, ...], the OpenAI form) as one text, back to back as the chat
+    templates that accept parts render them; anything else as it is. A part that is not text is refused."""
     if not isinstance(content, (list, tuple)):
         return content
     texts = []
     for part in content:
-        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-            continue
-        kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
-        raise UserError(f"{where} has a content part of type {kind}, not text: --fix joins text parts only (this "
-                        "stack trains text models); drop that part or write it as text")
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+            raise UserError(f"{where} has a content part of type {kind}, not text: --fix joins text parts only (this "
+                            "stack trains text models); drop that part or write it as text")
+        texts.append(part["text"])
     return "".join(texts)
 
 
 def _chat_from_string(text: str | None, where: str) -> list[dict] | None:
-    """A string prompt as a chat list: a JSON-encoded chat list is decoded, plain text becomes one user
-    message (decoding first so an already-serialized chat is not wrapped as text)."""
+    """A string prompt as a chat list: a JSON-encoded chat list is decoded (not wrapped as text), plain text
+    becomes one user message."""
     if text is None:
         return None
     stripped = text.strip()
@@ -527,45 +527,15 @@ def _chat_from_string(text: str | None, where: str) -> list[dict] | None:
     return [{"role": "user", "content": text}]
 
 
-def _has_content_parts(table, column: str) -> bool:
-    """Whether `column` is a chat list whose messages' content is a list (of parts)."""
+def _retyped(table, column: str, rows: list, arrow_type):
+    """`table` with `column` replaced by `rows` of `arrow_type`. pandas and `datasets` trust the types they
+    recorded in the schema metadata over the data (pandas then fails to read the file), so pandas' entry is
+    updated and `datasets`' feature list dropped (it re-infers it from the arrow schema)."""
     import pyarrow as pa
 
-    kind = table.schema.field(column).type
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
-        return False
-    names = [f.name for f in kind.value_type]
-    if "content" not in names:
-        return False
-    content = kind.value_type.field("content").type
-    return pa.types.is_list(content) or pa.types.is_large_list(content)
-
-
-def _flatten_parts(table, column: str, where: str, changes: list[str]):
-    """`column` (a chat list column) with every message's content parts joined into one text."""
-    import pyarrow as pa
-
-    array = table.column(column).combine_chunks()
-    message_type = array.type.value_type
-    chats = array.to_pylist()
-    for row, chat in enumerate(chats):
-        for message in chat or []:
-            if message is not None:
-                message["content"] = _text_of_parts(message["content"], f"{where} row {row}")
-    message_type = pa.struct([pa.field("content", pa.string()) if f.name == "content" else f for f in message_type])
-    table = table.set_column(table.column_names.index(column), pa.field(column, pa.list_(message_type)),
-                             pa.array(chats, type=pa.list_(message_type)))
-    changes.append(f"content parts of `{column}` joined into text in {len(chats)} rows")
-    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, column))
-
-
-def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
-    """Schema metadata after `column` changed from text to a chat list. pandas and `datasets` trust the
-    types they recorded there over the data (pandas then fails to read the file), so update pandas'
-    entry and drop `datasets`' feature list, which it re-infers from the arrow schema."""
-    if not metadata:
-        return metadata
-    metadata = dict(metadata)
+    index = table.column_names.index(column)
+    table = table.set_column(index, pa.field(column, arrow_type), pa.array(rows, type=arrow_type))
+    metadata = dict(table.schema.metadata or {})
     metadata.pop(b"huggingface", None)
     if b"pandas" in metadata:
         pandas_meta = json.loads(metadata[b"pandas"])
@@ -573,7 +543,27 @@ def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
             if entry.get("name") == column:
                 entry.update(pandas_type="list[object]", numpy_type="object")
         metadata[b"pandas"] = json.dumps(pandas_meta).encode()
-    return metadata
+    return table.replace_schema_metadata(metadata or None)
+
+
+def _join_parts(table, column: str, where: str, changes: list[str]):
+    """`table` with the content parts of every message in chat column `column` joined into one text, where
+    its content is a list (of parts)."""
+    import pyarrow as pa
+
+    chat_type = table.schema.field(column).type
+    if not (_is_list(chat_type) and "content" in _fields(chat_type.value_type)
+            and _is_list(chat_type.value_type.field("content").type)):
+        return table
+    chats = table.column(column).to_pylist()
+    for row, chat in enumerate(chats):
+        for message in chat or []:
+            if message is not None:
+                message["content"] = _text_of_parts(message["content"], f"{where} row {row}")
+    message_type = pa.struct([pa.field("content", pa.string()) if f.name == "content" else f
+                              for f in chat_type.value_type])
+    changes.append(f"content parts of `{column}` joined into text in {len(chats)} rows")
+    return _retyped(table, column, chats, pa.list_(message_type))
 
 
 def _truth_as_text(value) -> str | None:
@@ -582,9 +572,8 @@ def _truth_as_text(value) -> str | None:
         return None  # NaN is pandas' missing value: "nan" would pass as text and match no answer
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    if hasattr(value, "normalize"):  # decimal.Decimal
-        text = format(value.normalize(), "f")
-        return text
+    if isinstance(value, decimal.Decimal):
+        return format(value.normalize(), "f")
     return str(value)
 
 
@@ -593,33 +582,27 @@ def _fix_ground_truth(table, changes: list[str]):
 
     if "reward_model" not in table.column_names:
         return table
-    reward = table.column("reward_model").combine_chunks()
-    if not pa.types.is_struct(reward.type) or "ground_truth" not in {f.name for f in reward.type}:
+    reward = table.schema.field("reward_model").type
+    if "ground_truth" not in _fields(reward) or not _is_number_type(reward.field("ground_truth").type):
         return table
-    truth_type = reward.type.field("ground_truth").type
-    if not _is_number_type(truth_type):
-        return table
-    rows = reward.to_pylist()
+    rows = table.column("reward_model").to_pylist()
     for row in rows:
         if row is not None:
             row["ground_truth"] = _truth_as_text(row["ground_truth"])
-    fields = [pa.field("ground_truth", pa.string()) if f.name == "ground_truth" else f for f in reward.type]
-    index = table.column_names.index("reward_model")
-    table = table.set_column(index, pa.field("reward_model", pa.struct(fields)),
-                             pa.array(rows, type=pa.struct(fields)))
-    changes.append(f"reward_model.ground_truth written as text (was {truth_type})")
-    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "reward_model"))
+    changes.append(f"reward_model.ground_truth written as text (was {reward.field('ground_truth').type})")
+    fields = [pa.field("ground_truth", pa.string()) if f.name == "ground_truth" else f for f in reward]
+    return _retyped(table, "reward_model", rows, pa.struct(fields))
 
 
 def _prompt_response_to_messages(table, where: str, changes: list[str]):
     """prompt (text or chat list) + response (text) -> one `messages` conversation per row."""
     import pyarrow as pa
 
-    prompts = table.column("prompt").to_pylist()
-    responses = table.column("response").to_pylist()
+    columns = table.column_names
     conversations = []
     numbers = 0
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+    rows = zip(table.column("prompt").to_pylist(), table.column("response").to_pylist())
+    for row, (prompt, response) in enumerate(rows):
         at = f"{where} row {row}"
         if not prompt:  # an assistant turn alone would pass as a conversation and train on no question
             raise UserError(f"{at} has no prompt: fill it in or drop the row")
@@ -637,27 +620,21 @@ def _prompt_response_to_messages(table, where: str, changes: list[str]):
             raise UserError(f"{at}: `response` is a {type(response).__name__} ({str(response)[:40]!r}), not text: "
                             "write the answer as text")
         conversations.append(chat + [{"role": "assistant", "content": response}])
-    message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    keep = [name for name in table.column_names if name not in ("prompt", "response", "__index_level_0__")]
-    response_type = table.schema.field("response").type
-    table = table.select(keep)
-    table = table.add_column(0, pa.field("messages", pa.list_(message)),
-                             pa.array(conversations, type=pa.list_(message)))
     changes.append(f"prompt + response converted to a `messages` conversation in {len(conversations)} rows")
     if numbers:
-        changes.append(f"{numbers} numeric responses written as text (was {response_type})")
+        changes.append(f"{numbers} numeric responses written as text (was {table.schema.field('response').type})")
+    chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    table = table.select([name for name in columns if name not in ("prompt", "response", "__index_level_0__")])
+    table = table.add_column(0, pa.field("messages", chat_type), pa.array(conversations, type=chat_type))
     # pandas' and datasets' recorded column lists no longer match the file: drop them, both re-infer
     return table.replace_schema_metadata(None)
 
 
 def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, force: bool = False
                 ) -> tuple[CheckReport, list[str]]:
-    """Write a repaired copy of `path` to `out`:
-      - RL: every plain-string `prompt` turned into a chat list (`[{"role": "user", "content": text}]`),
-        a numeric `reward_model.ground_truth` written as text (verl's scorers compare strings);
-      - SFT in the old prompt/response form: converted to a `messages` conversation (user, assistant).
-    The result is checked before it is written (atomically); on any problem nothing is written.
-    Returns (report of the new file, what was changed: one phrase per repair)."""
+    """Write a repaired copy of `path` to `out`: RL string prompts as chat lists and a numeric ground truth as
+    text, content parts joined into text, old prompt/response SFT as a `messages` conversation. The result is
+    checked before it is written (atomically). Returns (report of the new file, one phrase per repair)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -665,39 +642,35 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     if resolved(out, "FIX") == resolved(path, "FILE"):
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
     if out.is_dir():
-        raise UserError(f"FIX={out} is a directory: name the file to write, e.g. FIX={out / (path.stem + '.fixed.parquet')}")
+        raise UserError(f"FIX={out} is a directory: name the file to write, e.g. "
+                        f"FIX={out / (path.stem + '.fixed.parquet')}")
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
+    columns = table.column_names
     changes: list[str] = []
-    if is_prompt_response(table.column_names) and kind in (None, "sft"):
+    if is_prompt_response(columns) and kind in (None, "sft"):
         table = _prompt_response_to_messages(table, str(path), changes)
-        report = check_table(table, "sft", str(path))  # what is left wrong is the input's
-    elif kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
-        if _has_content_parts(table, "messages"):
-            table = _flatten_parts(table, "messages", str(path), changes)
-            report = check_table(table, "sft", str(path))
-        else:
+        kind = "sft"
+    elif kind == "sft" or (kind is None and "messages" in columns and "prompt" not in columns):
+        table = _join_parts(table, "messages", str(path), changes)
+        if not changes:
             raise UserError(f"--fix repairs RL data, prompt/response SFT data and content parts; {path} is `messages` "
                             "SFT data, which must already be a conversation list: `data check` says what is wrong "
                             "with it")
     else:
-        if "prompt" in table.column_names:
-            prompt = table.column("prompt")
-            if _has_content_parts(table, "prompt"):
-                table = _flatten_parts(table, "prompt", str(path), changes)
-            if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
-                chats = [_chat_from_string(text, f"{path} row {row}") for row, text in enumerate(prompt.to_pylist())]
-                rewritten = sum(chat is not None for chat in chats)
-                message = pa.struct([("role", pa.string()), ("content", pa.string())])
-                index = table.column_names.index("prompt")
-                table = table.set_column(index, pa.field("prompt", pa.list_(message)),
-                                         pa.array(chats, type=pa.list_(message)))
-                table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
-                changes.append(f"{rewritten} string prompts rewritten as chat lists")
+        if "prompt" in columns and _is_text(table.schema.field("prompt").type):
+            chats = [_chat_from_string(text, f"{path} row {row}")
+                     for row, text in enumerate(table.column("prompt").to_pylist())]
+            chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+            table = _retyped(table, "prompt", chats, chat_type)
+            changes.append(f"{sum(chat is not None for chat in chats)} string prompts rewritten as chat lists")
+        elif "prompt" in columns:
+            table = _join_parts(table, "prompt", str(path), changes)
         table = _fix_ground_truth(table, changes)
-        report = check_table(table, "rl", str(path))
-    report.path = out  # checked under the input's name (what is left wrong is its), reported as the new file
+        kind = "rl"
+    report = check_table(table, kind, str(path))  # under the input's name: what is left wrong is its
+    report.path = out
     with atomic_path(out, "FIX") as tmp:
         pq.write_table(table, tmp)
     return report, changes
