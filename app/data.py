@@ -679,9 +679,8 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
 # --- GSM8K ---------------------------------------------------------------------------------------------
 @functools.cache
 def verl_gsm8k_module():
-    """verl's own `verl.utils.reward_score.gsm8k` module (what GRPO rewards with), or None without verl.
-    Loaded from its file alone: importing the verl package pulls in torch and Ray (~10 s of CPU) and
-    this scorer is one self-contained regex module."""
+    """verl's own `verl.utils.reward_score.gsm8k` module (what GRPO rewards with), or None without verl. Loaded
+    from its file alone: importing verl pulls in torch and Ray (~10 s) for one self-contained regex module."""
     loaded = sys.modules.get("verl.utils.reward_score.gsm8k")
     if loaded is not None:
         return loaded
@@ -727,35 +726,26 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    rows.append((f"{path} line {number}", json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"{path} line {number} is not valid JSON ({exc.msg}): fix or remove that "
                                     "line (one JSON object per line)") from None
-                rows.append((f"{path} line {number}", row))
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
         raise UserError(f"{path} cannot be read ({type(exc).__name__}: {exc}): replace it with an intact "
                         "copy") from None
     return rows
 
 
-def _read_parquet_rows(paths: Iterable[Path]) -> list[tuple[str, dict]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _read_parquet_rows(paths: list[Path]) -> list[tuple[str, dict]]:
     rows = []
     for path in paths:
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UserError(f"{path} is not a readable parquet file ({reason}): replace it with an intact "
-                            "copy") from None
+        table = _read_table(path, "replace it with an intact copy")
         missing = {"question", "answer"} - set(table.column_names)
         if missing:
             raise UserError(f"{path} lacks column(s) {', '.join(sorted(missing))}: GSM8K needs `question` and "
                             "`answer`")
-        for number, row in enumerate(table.select(["question", "answer"]).to_pylist()):
-            rows.append((f"{path} row {number}", row))
+        questions = table.select(["question", "answer"]).to_pylist()
+        rows += [(f"{path} row {number}", row) for number, row in enumerate(questions)]
     return rows
 
 
@@ -800,35 +790,37 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     return truth if _NUMBER.fullmatch(truth) else None
 
 
-def _convert(split: str, index: int, where: str, row: dict, scorer) -> tuple[dict, dict]:
-    """One GSM8K row -> (RL row, SFT row)."""
-    if not isinstance(row, dict):
-        raise UserError(f"{where} is not a JSON object: each line needs {{\"question\": ..., \"answer\": ...}}")
-    question, answer = row.get("question"), row.get("answer")
-    for name, value in (("question", question), ("answer", answer)):
-        if not isinstance(value, str) or not value.strip():
-            raise UserError(f"{where} has no text `{name}`: fix or remove that row")
-    truth = gsm8k_ground_truth(answer)
-    if truth is None:
-        raise UserError(f"{where}: the answer does not end with '#### <number>': fix or remove that row "
-                        f"(answer ends {answer[-40:]!r})")
-    if scorer is not None and scorer(answer, truth) != 1.0:
-        raise UserError(f"{where}: verl's gsm8k scorer gives the reference answer 0 against its own ground "
-                        f"truth {truth!r} (it needs '#### <number>' with one space, near the end): fix that row")
-    user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
-    extra = {"split": split, "index": index, "answer": answer, "question": question}
-    rl = {"data_source": GSM8K_DATA_SOURCE, "prompt": [user], "ability": "math",
-          "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": extra}
-    sft = {"messages": [user, {"role": "assistant", "content": answer}], "extra_info": extra}
-    return rl, sft
+def _convert(split: str, rows: list[tuple[str, dict]], scorer, tick: Callable[[], object] = lambda: None
+             ) -> tuple[list[dict], list[dict]]:
+    """GSM8K rows of one split -> (RL rows, SFT rows); a bad row is refused, naming it."""
+    rl_rows, sft_rows = [], []
+    for index, (where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object: each line needs {{\"question\": ..., \"answer\": ...}}")
+        question, answer = row.get("question"), row.get("answer")
+        for name, value in (("question", question), ("answer", answer)):
+            if not isinstance(value, str) or not value.strip():
+                raise UserError(f"{where} has no text `{name}`: fix or remove that row")
+        truth = gsm8k_ground_truth(answer)
+        if truth is None:
+            raise UserError(f"{where}: the answer does not end with '#### <number>': fix or remove that row "
+                            f"(answer ends {answer[-40:]!r})")
+        if scorer is not None and scorer(answer, truth) != 1.0:
+            raise UserError(f"{where}: verl's gsm8k scorer gives the reference answer 0 against its own ground "
+                            f"truth {truth!r} (it needs '#### <number>' with one space, near the end): fix that row")
+        user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
+        extra = {"split": split, "index": index, "answer": answer, "question": question}
+        rl_rows.append({"data_source": GSM8K_DATA_SOURCE, "prompt": [user], "ability": "math",
+                        "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": extra})
+        sft_rows.append({"messages": [user, {"role": "assistant", "content": answer}], "extra_info": extra})
+        tick()
+    return rl_rows, sft_rows
 
 
 def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> list[tuple[str, dict]]:
-    """`rows` without exact repeats (the same question and answer as an earlier row; the first is kept), with a
-    warning saying how many went. A repeat adds nothing but double weight in training and in validation (the
-    stack's own check warns of it), so dropping it loses nothing, where refusing would make the user edit a
-    downloaded dataset by hand. The same question with a different answer is refused: which answer is the
-    ground truth is the user's call, and prep writes one RL prompt per question."""
+    """`rows` without exact repeats (the first is kept), with a warning: a repeat only doubles a row's weight, and
+    refusing would make the user edit a downloaded dataset by hand. The same question with another answer is
+    refused: which is the ground truth is the user's call (prep writes one RL prompt per question)."""
     first: dict[str, tuple[str, object]] = {}
     kept, dropped = [], []
     for where, row in rows:
@@ -853,9 +845,8 @@ def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> l
 
 
 def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: str) -> None:
-    """The test split (validation during training, make eval) must hold questions the train split does not: a
-    test split that is all train rows is refused before anything is written (make check refuses its files
-    later); a partial overlap is a warning, as in data check."""
+    """A test split (validation, make eval) that is all train questions is refused before anything is written;
+    a partial overlap is a warning, as in data check."""
     train = {row["question"]: where for where, row in splits.get("train", [])
              if isinstance(row, dict) and isinstance(row.get("question"), str)}
     test = [(where, row["question"]) for where, row in splits.get("test", [])
@@ -873,19 +864,6 @@ def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: 
          "split")
 
 
-def _schemas():
-    import pyarrow as pa
-
-    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                       ("question", pa.string())])
-    rl = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
-                    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-                    ("extra_info", extra)])
-    sft = pa.schema([("messages", message), ("extra_info", extra)])
-    return rl, sft
-
-
 def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
     """Self-check of prep: the RL and SFT files hold the same rows in the same order."""
     import pyarrow.parquet as pq
@@ -900,14 +878,21 @@ def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
             raise RuntimeError(f"prep self-check: RL and SFT rows differ at row {i}")
 
 
-def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]]) -> dict[str, Path]:
-    """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT
-    messages) for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is
-    checked with `check_parquet` and against its twin before the set is renamed into place."""
+def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]],
+                 headline: str) -> dict[str, Path]:
+    """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT messages)
+    for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is checked with
+    `check_parquet` and against its twin before the set is renamed into place. Then says `headline` and them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rl_schema, sft_schema = _schemas()
+    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                       ("question", pa.string())])
+    rl_schema = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
+                           ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                           ("extra_info", extra)])
+    sft_schema = pa.schema([("messages", message), ("extra_info", extra)])
     outputs = {f"{sub}/{split}": data_dir / sub / f"{split}.parquet"
                for sub in (name, f"{name}_sft") for split in converted}
     new_dirs = [d for d in (data_dir, data_dir / name, data_dir / f"{name}_sft") if not d.exists()]
@@ -928,27 +913,22 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
+    say(headline)
+    for key, path in outputs.items():
+        sub, split = key.split("/")
+        kind = "SFT messages" if sub.endswith("_sft") else "RL prompt"
+        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
     return outputs
 
 
-def say_written(outputs: dict[str, Path], converted: dict[str, tuple[list[dict], list[dict]]]) -> None:
-    for name, path in outputs.items():
-        split = name.split("/")[1]
-        kind = "SFT messages" if name.split("/")[0].endswith("_sft") else "RL prompt"
-        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
+_SCORED = ", verl's gsm8k scorer gives every reference answer 1.0"
 
 
 def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict[str, Path]:
-    """Prepare GSM8K for verl 0.9.1 and return {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train",
-    "gsm8k_sft/test"}.
-
-    `source`: None (the copy bundled in the repo), a directory with train/test as .jsonl, .jsonl.gz or
-    .parquet (columns question, answer), or "hf" (openai/gsm8k through `datasets`). Writes
-    `<data_dir>/gsm8k/{split}.parquet` (RL schema) and `<data_dir>/gsm8k_sft/{split}.parquet` (multi-turn
-    `messages`). Every input row is validated, and verl's own gsm8k scorer must give its reference answer
-    1.0, before anything is written; the written files are checked with `check_parquet` and against each
-    other, and only then renamed into place, all four together. On any failure nothing is left behind.
-    """
+    """Prepare GSM8K for verl 0.9.1: {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train", "gsm8k_sft/test"}.
+    `source`: None (the copy bundled in the repo), a directory with train/test as .jsonl, .jsonl.gz or .parquet
+    (columns question, answer), or "hf" (openai/gsm8k through `datasets`). Every row is validated, and verl's
+    gsm8k scorer must give its reference answer 1.0, before anything is written."""
     from tqdm import tqdm
 
     described, splits = _read_source(source)
@@ -957,23 +937,10 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
     scorer = verl_gsm8k_scorer()
     if scorer is None:
         warn("verl is not installed: the reference answers were not scored with verl's gsm8k scorer")
-    converted: dict[str, tuple[list[dict], list[dict]]] = {}
-    total = sum(len(rows) for rows in splits.values())
     # disable=None: a bar on a terminal, nothing in logs (so a failure stays one line there)
-    with tqdm(total=total, desc="gsm8k", unit="row", disable=None) as bar:
-        for split, rows in splits.items():
-            rl_rows, sft_rows = [], []
-            for index, (where, row) in enumerate(rows):
-                rl, sft = _convert(split, index, where, row, scorer)
-                rl_rows.append(rl)
-                sft_rows.append(sft)
-                bar.update()
-            converted[split] = (rl_rows, sft_rows)
-
-    outputs = write_splits(Path(data_dir), "gsm8k", converted)
-    say(f"GSM8K from {described}" + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
-    say_written(outputs, converted)
-    return outputs
+    with tqdm(total=sum(len(rows) for rows in splits.values()), desc="gsm8k", unit="row", disable=None) as bar:
+        converted = {split: _convert(split, rows, scorer, bar.update) for split, rows in splits.items()}
+    return write_splits(Path(data_dir), "gsm8k", converted, f"GSM8K from {described}" + (_SCORED if scorer else ""))
 
 
 # --- arith: a task a tiny model learns in minutes (the proof that SFT and GRPO make a model better) ------
@@ -985,32 +952,20 @@ ARITH_TEST_ROWS = 1000
 ARITH_SEED = 0
 
 
-def arith_rows(max_operand: int = ARITH_MAX, test_rows: int = ARITH_TEST_ROWS, seed: int = ARITH_SEED,
-               scorer=None) -> dict[str, tuple[list[dict], list[dict]]]:
-    """{split: (RL rows, SFT rows)} of the addition task: every (a, b) pair once, test pairs held out."""
-    import random
-
-    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
-    random.Random(seed).shuffle(pairs)
-    splits = {"train": pairs[test_rows:], "test": pairs[:test_rows]}
-    out = {}
-    for split, chosen in splits.items():
-        rows = [(f"arith {split} row {i}", {"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
-                for i, (a, b) in enumerate(chosen)]
-        converted = [_convert(split, i, where, row, scorer) for i, (where, row) in enumerate(rows)]
-        out[split] = ([rl for rl, _ in converted], [sft for _, sft in converted])
-    return out
-
-
 def prep_arith(data_dir: Path | str = "data") -> dict[str, Path]:
     """Write the addition task as `<data_dir>/arith/{train,test}.parquet` (RL) and `arith_sft/` (SFT)."""
+    import random
+
     scorer = verl_gsm8k_scorer()
-    converted = arith_rows(scorer=scorer)
-    outputs = write_splits(Path(data_dir), "arith", converted)
-    say(f"arith: {ARITH_MAX}x{ARITH_MAX} additions, {ARITH_TEST_ROWS} held out for test"
-        + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
-    say_written(outputs, converted)
-    return outputs
+    pairs = [(a, b) for a in range(ARITH_MAX) for b in range(ARITH_MAX)]
+    random.Random(ARITH_SEED).shuffle(pairs)
+    converted = {}
+    for split, chosen in (("train", pairs[ARITH_TEST_ROWS:]), ("test", pairs[:ARITH_TEST_ROWS])):
+        rows = [(f"arith {split} row {i}", {"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
+                for i, (a, b) in enumerate(chosen)]
+        converted[split] = _convert(split, rows, scorer)
+    headline = f"arith: {ARITH_MAX}x{ARITH_MAX} additions, {ARITH_TEST_ROWS} held out for test"
+    return write_splits(Path(data_dir), "arith", converted, headline + (_SCORED if scorer else ""))
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
@@ -1035,7 +990,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     # make data-check FILE=... KIND=... FIX=...: the Makefile passes them as settings, not arguments
     parser.add_argument("file", type=Path, nargs="?" if settings["FILE"] else None, default=settings["FILE"],
                         help="the parquet to check (FILE)")
-    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"], help="rl or sft (KIND; default: from the columns)")
+    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"],
+                        help="rl or sft (KIND; default: from the columns)")
     parser.add_argument("--fix", type=Path, metavar="OUT", default=settings["FIX"],
                         help="write a repaired copy to OUT (FIX): string prompts -> chat lists, numeric ground truth "
                              "-> text, prompt/response SFT -> messages")
