@@ -75,24 +75,17 @@ def routed_data_sources() -> tuple[frozenset[str], tuple[str, ...]] | None:
     if func is None:
         return None
 
-    def strings(node: ast.AST) -> list[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node.value]
-        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            return [s for elt in node.elts for s in strings(elt)]
-        return []
-
-    def is_source(node: ast.AST) -> bool:
-        return isinstance(node, ast.Name) and node.id == "data_source"
+    def strings(nodes: list[ast.AST]) -> list[str]:
+        return [n.value for node in nodes for n in ast.walk(node) if isinstance(n, ast.Constant)
+                and isinstance(n.value, str)]
 
     names: set[str] = set()
     prefixes: list[str] = []
     for node in ast.walk(func):
-        if isinstance(node, ast.Compare) and is_source(node.left):
-            names.update(s for comparator in node.comparators for s in strings(comparator))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "startswith" and is_source(node.func.value)):
-            prefixes += [s for arg in node.args for s in strings(arg)]
+        if isinstance(node, ast.Compare) and ast.unparse(node.left) == "data_source":
+            names.update(strings(node.comparators))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "data_source.startswith":
+            prefixes += strings(node.args)
     return frozenset(names), tuple(prefixes)
 
 
@@ -161,19 +154,13 @@ def _refuse_row(mask, where: str, problem: str, rows=None) -> None:
         raise UserError(f"{where}: row {rows[i].as_py() if rows is not None else i} {problem}")
 
 
-def _is_zero(counts):
-    """count == 0 for an integer arrow array (null stays null)."""
+def _is_empty(array):
+    """True where a string or list arrow array holds null, "" or []."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    return pc.invert(pc.cast(counts, pa.bool_()))
-
-
-def _is_empty(strings):
-    """True where a string arrow array holds null or ""."""
-    import pyarrow.compute as pc
-
-    return pc.or_kleene(strings.is_null(), _is_zero(pc.binary_length(strings)))
+    lengths = pc.list_value_length(array) if _is_list(array.type) else pc.binary_length(array)
+    return pc.or_kleene(array.is_null(), pc.invert(pc.cast(lengths, pa.bool_())))
 
 
 def _is_one_of(strings, names: Iterable[str]):
@@ -208,7 +195,7 @@ def _check_chat(table, column: str, where: str, kind: str) -> tuple:
         raise UserError(f"{where}: the messages in `{column}` are {message_type}, not {{role, content}} "
                         f"dicts: rewrite each message as {{\"role\": ..., \"content\": ...}}")
     _refuse_row(array.is_null(), where, f"has no `{column}` (null): fill it or drop the row")
-    _refuse_row(_is_zero(pc.list_value_length(array)), where,
+    _refuse_row(_is_empty(array), where,  # nulls are refused above: what is left is []
                 f"has an empty `{column}` list: give it at least one message or drop the row")
     messages = array.flatten()
     parents = pc.list_parent_indices(array)
@@ -1006,7 +993,11 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"wrote {args.fix} ({report.rows} rows; {'; '.join(changes) or 'nothing needed fixing'})")
     else:
         report = check_parquet(args.file, args.kind)
-    other = args.against if args.against is not None else _sibling_split(args.file)
+    other = args.against
+    # make prep's layout: train.parquet is compared with test.parquet beside it, and the other way round
+    partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(args.file.name)
+    if other is None and partner and args.file.with_name(partner).is_file():
+        other = args.file.with_name(partner)
     overlap = None
     if other is not None:
         overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
@@ -1016,9 +1007,3 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         warn(note)
     return 0
 
-
-def _sibling_split(path: Path) -> Path | None:
-    """`make prep`'s layout: train.parquet is compared with test.parquet beside it, and the other way round."""
-    partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(path.name)
-    candidate = path.with_name(partner) if partner else None
-    return candidate if candidate is not None and candidate.is_file() else None
