@@ -95,12 +95,10 @@ def _read_table(path: Path, remedy: str = "rewrite it with pandas.DataFrame.to_p
 
     refuse_symlink_loop(path)
     problem = file_problem(path)  # by stat: a FIFO is refused here, not opened (that would wait forever)
-    if problem == "does not exist":
-        raise UserError(f"{path} does not exist: check the path (a parquet file with your rows)")
-    if problem == "is a directory":
-        raise UserError(f"{path} is a directory: pass one parquet file")
     if problem:
-        raise UserError(f"{path} {problem}: pass a parquet file")
+        todo = {"does not exist": "check the path (a parquet file with your rows)",
+                "is a directory": "pass one parquet file"}.get(problem, "pass a parquet file")
+        raise UserError(f"{path} {problem}: {todo}")
     try:
         # ParquetFile, not pq.read_table: read_table goes through pyarrow.dataset, whose import pulls in
         # pandas (~0.4 s of every preflight) for a single local file that needs neither
