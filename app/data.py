@@ -1,14 +1,7 @@
-"""Data for verl 0.9.1: `prep [gsm8k|arith]` writes GSM8K (and `arith`, small additions a tiny model can
-learn) in verl's RL and multi-turn SFT schemas, and
-`data check FILE [--kind rl|sft] [--fix OUT]` checks (and repairs) users' own parquet before a
-training run trips over it.
-
-Python API (the preflight of `sft`/`grpo-head` calls these):
-  - `check_parquet(path, kind=None) -> CheckReport`: raises UserError on the first bad input.
-  - `fix_parquet(path, out, kind=None) -> CheckReport`: string prompts -> one-message chat lists.
-  - `prep_gsm8k(source=None, data_dir="data") -> dict[name, Path]`; `prep_arith(data_dir="data")`.
-  - `routed_data_sources()`: the data_source names verl's default scorer knows.
-  - `prompt_lengths(path, tokenizer, ...)`: each RL prompt's token count as verl's length filter counts it.
+"""Data for verl 0.9.1: `prep [gsm8k|arith]` writes GSM8K (and `arith`, additions a tiny model can learn) in
+verl's RL and multi-turn SFT schemas; `data check FILE [--kind rl|sft] [--fix OUT]` checks (and repairs) users'
+own parquet before a training run trips over it. The preflight of `sft`/`grpo-head` calls `check_parquet`,
+`compare_splits` and `check_prompt_lengths`.
 """
 
 from __future__ import annotations
@@ -46,14 +39,13 @@ _NUMBER = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
 # --- checking ----------------------------------------------------------------------------------------
 @dataclass
 class CheckReport:
-    """What `check_parquet` found in a file that passed: its kind, row count, and soft notes
-    (things that are not errors but need the user's attention, e.g. a custom reward function)."""
+    """A file that passed `check_parquet`: its kind, rows, soft notes (not errors, e.g. a data_source that needs
+    a custom reward function) and one hashable key per row (its chat) for the duplicate and overlap checks."""
 
     path: Path
     kind: str
     rows: int
     notes: list[str] = field(default_factory=list)
-    # one hashable key per row: its chat column (RL prompt / SFT messages), for duplicate and overlap checks
     keys: list = field(default_factory=list, repr=False)
 
     def summary(self) -> str:
@@ -70,12 +62,10 @@ def _verl_file(relative: str) -> Path | None:
 
 @functools.cache
 def routed_data_sources() -> tuple[frozenset[str], tuple[str, ...]] | None:
-    """(names, prefixes) of the data_source values verl's `default_compute_score` routes to a scorer,
-    or None when verl is not installed.
-
-    Read from the installed verl's own source so the list follows its version; parsed, not imported,
-    because importing verl pulls in torch and Ray (~10 s) for what is a list of string literals.
-    """
+    """(names, prefixes) of the data_source values verl's `default_compute_score` routes to a scorer, or None
+    without verl. Parsed from the installed verl's source, so the list follows its version. Not imported: that
+    module imports verl, torch and Ray (11.5 s measured, against 6 ms to parse), and the names are literals in
+    the function's body, not a list it exports."""
     path = _verl_file("utils/reward_score/__init__.py")
     if path is None:
         return None
@@ -84,39 +74,31 @@ def routed_data_sources() -> tuple[frozenset[str], tuple[str, ...]] | None:
                  and node.name == "default_compute_score"), None)
     if func is None:
         return None
+
+    def strings(nodes: list[ast.AST]) -> list[str]:
+        return [n.value for node in nodes for n in ast.walk(node) if isinstance(n, ast.Constant)
+                and isinstance(n.value, str)]
+
     names: set[str] = set()
     prefixes: list[str] = []
-
-    def strings(node: ast.AST) -> list[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node.value]
-        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            return [s for elt in node.elts for s in strings(elt)]
-        return []
-
     for node in ast.walk(func):
-        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "data_source":
-            for comparator in node.comparators:
-                names.update(strings(comparator))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "startswith" and isinstance(node.func.value, ast.Name)
-              and node.func.value.id == "data_source"):
-            prefixes += [s for arg in node.args for s in strings(arg)]
+        if isinstance(node, ast.Compare) and ast.unparse(node.left) == "data_source":
+            names.update(strings(node.comparators))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "data_source.startswith":
+            prefixes += strings(node.args)
     return frozenset(names), tuple(prefixes)
 
 
-def _read_table(path: Path):
+def _read_table(path: Path, remedy: str = "rewrite it with pandas.DataFrame.to_parquet or pyarrow"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     refuse_symlink_loop(path)
     problem = file_problem(path)  # by stat: a FIFO is refused here, not opened (that would wait forever)
-    if problem == "does not exist":
-        raise UserError(f"{path} does not exist: check the path (a parquet file with your rows)")
-    if problem == "is a directory":
-        raise UserError(f"{path} is a directory: pass one parquet file")
     if problem:
-        raise UserError(f"{path} {problem}: pass a parquet file")
+        todo = {"does not exist": "check the path (a parquet file with your rows)",
+                "is a directory": "pass one parquet file"}.get(problem, "pass a parquet file")
+        raise UserError(f"{path} {problem}: {todo}")
     try:
         # ParquetFile, not pq.read_table: read_table goes through pyarrow.dataset, whose import pulls in
         # pandas (~0.4 s of every preflight) for a single local file that needs neither
@@ -124,13 +106,37 @@ def _read_table(path: Path):
             return parquet.read()
     except (pa.ArrowException, OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path} is not a readable parquet file ({reason}): "
-                        "rewrite it with pandas.DataFrame.to_parquet or pyarrow") from None
+        raise UserError(f"{path} is not a readable parquet file ({reason}): {remedy}") from None
 
 
 # The checks compare arrow arrays with arrow kernels only, and options rather than literals: turning a
 # Python value into arrow (pa.scalar, pa.array, a literal in pc.equal) or arrow into numpy makes pyarrow
 # import pandas, ~0.4 s of every preflight.
+def _is_text(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+
+
+def _is_list(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+
+
+def _is_number_type(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type)
+
+
+def _fields(arrow_type) -> set[str]:
+    """The field names of a struct type; none for any other type."""
+    import pyarrow as pa
+
+    return {f.name for f in arrow_type} if pa.types.is_struct(arrow_type) else set()
+
+
 def _first(mask) -> int | None:
     """Index of the first True in a boolean arrow array (nulls count as False), or None."""
     import pyarrow.compute as pc
@@ -139,19 +145,20 @@ def _first(mask) -> int | None:
     return hits[0].as_py() if len(hits) else None
 
 
-def _is_zero(counts):
-    """count == 0 for an integer arrow array (null stays null)."""
+def _refuse_row(mask, where: str, problem: str, rows=None) -> None:
+    """UserError `{where}: row N {problem}` for the first True in `mask`; `rows`: the row of each message."""
+    i = _first(mask)
+    if i is not None:
+        raise UserError(f"{where}: row {rows[i].as_py() if rows is not None else i} {problem}")
+
+
+def _is_empty(array):
+    """True where a string or list arrow array holds null, "" or []."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    return pc.invert(pc.cast(counts, pa.bool_()))
-
-
-def _is_empty(strings):
-    """True where a string arrow array holds null or ""."""
-    import pyarrow.compute as pc
-
-    return pc.or_kleene(strings.is_null(), _is_zero(pc.binary_length(strings)))
+    lengths = pc.list_value_length(array) if _is_list(array.type) else pc.binary_length(array)
+    return pc.or_kleene(array.is_null(), pc.invert(pc.cast(lengths, pa.bool_())))
 
 
 def _is_one_of(strings, names: Iterable[str]):
@@ -164,13 +171,11 @@ def _is_one_of(strings, names: Iterable[str]):
 
 def _check_chat(table, column: str, where: str, kind: str) -> tuple:
     """Check a chat column (RL `prompt`, SFT `messages`): list of {role, content}, known roles.
-    Returns (roles, parent row of each message) for further checks."""
-    import pyarrow as pa
+    Returns (roles, the row of each message) for the SFT check."""
     import pyarrow.compute as pc
 
     array = table.column(column).combine_chunks()
-    kind_word = "RL" if kind == "rl" else "SFT"
-    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+    if _is_text(array.type):
         preview = (array[0].as_py() or "")[:60]
         if kind == "rl":
             raise UserError(
@@ -180,47 +185,42 @@ def _check_chat(table, column: str, where: str, kind: str) -> tuple:
         raise UserError(
             f"{where}: `{column}` is a plain string (row 0: {preview!r}); SFT needs a conversation "
             f"[{{\"role\": \"user\", ...}}, {{\"role\": \"assistant\", ...}}]: rebuild the column as such lists")
-    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+    if not _is_list(array.type):
         raise UserError(f"{where}: `{column}` has type {array.type}, not a list of {{role, content}} "
                         f"messages: rewrite it as [{{\"role\": \"user\", \"content\": ...}}, ...]")
     message_type = array.type.value_type
-    if not pa.types.is_struct(message_type) or {"role", "content"} - {f.name for f in message_type}:
+    if {"role", "content"} - _fields(message_type):
         raise UserError(f"{where}: the messages in `{column}` are {message_type}, not {{role, content}} "
                         f"dicts: rewrite each message as {{\"role\": ..., \"content\": ...}}")
-    if (row := _first(array.is_null())) is not None:
-        raise UserError(f"{where}: row {row} has no `{column}` (null): fill it or drop the row")
-    if (row := _first(_is_zero(pc.list_value_length(array)))) is not None:
-        raise UserError(f"{where}: row {row} has an empty `{column}` list: give it at least one message "
-                        "or drop the row")
+    _refuse_row(array.is_null(), where, f"has no `{column}` (null): fill it or drop the row")
+    _refuse_row(_is_empty(array), where,  # nulls are refused above: what is left is []
+                f"has an empty `{column}` list: give it at least one message or drop the row")
     messages = array.flatten()
     parents = pc.list_parent_indices(array)
-    if (i := _first(messages.is_null())) is not None:
-        raise UserError(f"{where}: row {parents[i].as_py()} has a null message in `{column}`: "
-                        "remove it or make it {role, content}")
+    _refuse_row(messages.is_null(), where, f"has a null message in `{column}`: remove it or make it {{role, content}}",
+                parents)
     roles = messages.field("role")
-    if not (pa.types.is_string(roles.type) or pa.types.is_large_string(roles.type)):
+    if not _is_text(roles.type):
         raise UserError(f"{where}: `{column}` roles have type {roles.type}, not text: use 'user', 'assistant', ...")
-    unknown = pc.invert(_is_one_of(roles, KNOWN_ROLES))
-    if (i := _first(unknown)) is not None:
+    if (i := _first(pc.invert(_is_one_of(roles, KNOWN_ROLES)))) is not None:
         raise UserError(f"{where}: row {parents[i].as_py()} has a message with role {roles[i].as_py()!r} in "
                         f"`{column}`, not one of {', '.join(KNOWN_ROLES)}: rename it (chat templates reject "
-                        f"other roles; {kind_word} training would fail on it)")
+                        f"other roles; {'RL' if kind == 'rl' else 'SFT'} training would fail on it)")
     contents = messages.field("content")
-    if not (pa.types.is_string(contents.type) or pa.types.is_large_string(contents.type)):
-        if pa.types.is_list(contents.type) or pa.types.is_large_list(contents.type):
-            raise UserError(f"{where}: the messages in `{column}` hold content parts ({contents.type}), not text; "
-                            f"chat templates of text models need a string: run `python -m app data check {where} "
-                            "--fix OUT.parquet` (joins text parts) and train on OUT.parquet")
+    if _is_list(contents.type):
+        raise UserError(f"{where}: the messages in `{column}` hold content parts ({contents.type}), not text; "
+                        f"chat templates of text models need a string: run `python -m app data check {where} "
+                        "--fix OUT.parquet` (joins text parts) and train on OUT.parquet")
+    if not _is_text(contents.type):
         raise UserError(f"{where}: message content in `{column}` has type {contents.type}, not text: store "
                         "every message's content as a string")
-    if (i := _first(contents.is_null())) is not None:
-        raise UserError(f"{where}: row {parents[i].as_py()} has a message without content in `{column}`: "
-                        "give every message a text `content`")
+    _refuse_row(contents.is_null(), where, f"has a message without content in `{column}`: give every message a "
+                "text `content`", parents)
     return roles, parents
 
 
-def _check_rl(table, where: str, notes: list[str]) -> None:
-    import pyarrow as pa
+def _check_rl(table, where: str) -> list[str]:
+    """Check RL columns beyond `prompt`; returns the notes (data_source values verl does not route)."""
     import pyarrow.compute as pc
 
     if "data_source" not in table.column_names:
@@ -232,42 +232,37 @@ def _check_rl(table, where: str, notes: list[str]) -> None:
     _check_chat(table, "prompt", where, "rl")
 
     source = table.column("data_source").combine_chunks()
-    if not (pa.types.is_string(source.type) or pa.types.is_large_string(source.type)):
+    if not _is_text(source.type):
         raise UserError(f"{where}: `data_source` has type {source.type}, not text: store the dataset name "
                         "as a string")
-    if (row := _first(_is_empty(source))) is not None:
-        raise UserError(f"{where}: row {row} has an empty `data_source`: set it to the dataset name")
+    _refuse_row(_is_empty(source), where, "has an empty `data_source`: set it to the dataset name")
 
     reward = table.column("reward_model").combine_chunks()
-    if not pa.types.is_struct(reward.type) or "ground_truth" not in {f.name for f in reward.type}:
+    if "ground_truth" not in _fields(reward.type):
         raise UserError(f"{where}: `reward_model` is {reward.type}, not a dict with `ground_truth`: write "
                         "{\"style\": \"rule\", \"ground_truth\": ...} in every row")
     truth = reward.field("ground_truth")
     missing = pc.or_(reward.is_null(), truth.is_null())
-    if pa.types.is_string(truth.type) or pa.types.is_large_string(truth.type):
+    if _is_text(truth.type):
         missing = pc.or_(missing, _is_empty(truth))
-    if (row := _first(missing)) is not None:
-        raise UserError(f"{where}: row {row} has no reward_model.ground_truth: fill it in or drop the row; "
-                        "without it the reward cannot be computed")
+    _refuse_row(missing, where, "has no reward_model.ground_truth: fill it in or drop the row; without it the "
+                "reward cannot be computed")
     if _is_number_type(truth.type):
         raise UserError(
             f"{where}: reward_model.ground_truth is stored as {truth.type} (row 0: {truth[0].as_py()!r}), not as "
             f"text: verl's scorers compare it with the extracted answer as a string, so every answer would score "
-            f"0.0: run `python -m app data check {where} --fix OUT.parquet` (writes it as text) and train on OUT.parquet")
+            f"0.0: run `python -m app data check {where} --fix OUT.parquet` (writes it as text) and train on "
+            "OUT.parquet")
 
     routed = routed_data_sources()
-    counts = {v["values"]: v["counts"] for v in pc.value_counts(source).to_pylist()}
     if routed is None:
-        notes.append("verl is not installed here, so which data_source values its default scorer routes "
-                      "was not checked")
-        return
+        return ["verl is not installed here, so which data_source values its default scorer routes was not checked"]
     names, prefixes = routed
-    for name, count in sorted(counts.items()):
-        if name not in names and not name.startswith(prefixes):
-            notes.append(
-                f"data_source {name!r} ({count} rows) is not routed by verl's default scorer: configure a "
-                f"custom reward function (reward.custom_reward_function.path=my_reward.py "
-                f"reward.custom_reward_function.name=compute_score), or GRPO fails at the first reward")
+    counts = {v["values"]: v["counts"] for v in pc.value_counts(source).to_pylist()}
+    return [f"data_source {name!r} ({count} rows) is not routed by verl's default scorer: configure a custom reward "
+            f"function (reward.custom_reward_function.path=my_reward.py "
+            f"reward.custom_reward_function.name=compute_score), or GRPO fails at the first reward"
+            for name, count in sorted(counts.items()) if name not in names and not name.startswith(prefixes)]
 
 
 def _check_sft(table, where: str) -> None:
@@ -282,38 +277,10 @@ def _check_sft(table, where: str) -> None:
                         "turns; add the answer as {\"role\": \"assistant\", ...} or drop the row")
 
 
-def _is_number_type(arrow_type) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type)
-
-
 def is_prompt_response(columns) -> bool:
     """The old walkthrough's single-turn SFT form (verl < 0.7: data.prompt_key / data.response_key)."""
     columns = set(columns)
     return {"prompt", "response"} <= columns and "messages" not in columns and "reward_model" not in columns
-
-
-def _row_keys(table, column: str) -> list:
-    """One hashable key per row: the row's chat as ((role, content), ...). to_pylist, not arrow kernels on
-    literals: those would import pandas (see above); 7.5k GSM8K rows take ~0.05 s."""
-    return [tuple((m["role"], m["content"]) for m in chat) for chat in table.column(column).to_pylist()]
-
-
-def _duplicate_note(keys: list, what: str) -> str | None:
-    first: dict = {}
-    repeats = []
-    for row, key in enumerate(keys):
-        if key in first:
-            repeats.append((row, first[key]))
-        else:
-            first[key] = row
-    if not repeats:
-        return None
-    row, earlier = repeats[0]
-    return (f"{len(repeats)} of {len(keys)} rows repeat an earlier row's {what} (first: row {row} = row {earlier}): "
-            "duplicates count double in training and in validation; drop them (pandas: drop_duplicates) unless "
-            "that weighting is intended")
 
 
 def compare_splits(train: CheckReport, val: CheckReport) -> str | None:
@@ -332,56 +299,50 @@ def compare_splits(train: CheckReport, val: CheckReport) -> str | None:
     return None
 
 
-def prompt_response_error(where: str) -> UserError:
-    return UserError(
-        f"{where} is prompt/response SFT data (the old walkthrough's form: columns prompt + response); verl 0.9.1 "
-        f"trains SFT only on a `messages` conversation: convert it with `python -m app data check {where} --fix "
-        "OUT.parquet` (make data-check FILE=... FIX=OUT.parquet) and train on OUT.parquet")
-
-
 def check_table(table, kind: str | None, where: str) -> CheckReport:
     """Check an in-memory arrow table as `check_parquet` does (`where` names it in messages)."""
     if table.num_rows == 0:
         raise UserError(f"{where} has no rows: an empty dataset cannot train; point at a file with data")
     columns = set(table.column_names)
     if is_prompt_response(columns):  # would otherwise pass for RL data (it has `prompt`) or lack `messages`
-        raise prompt_response_error(where)
+        raise UserError(
+            f"{where} is prompt/response SFT data (the old walkthrough's form: columns prompt + response); verl "
+            f"0.9.1 trains SFT only on a `messages` conversation: convert it with `python -m app data check {where} "
+            "--fix OUT.parquet` (make data-check FILE=... FIX=OUT.parquet) and train on OUT.parquet")
+    if kind is None and not {"prompt", "messages"} & columns:
+        raise UserError(f"{where} has neither a `prompt` column (RL) nor a `messages` column (SFT); "
+                        f"columns: {', '.join(sorted(columns))}: rename the chat column")
     if kind is None:
-        if "messages" in columns and "prompt" not in columns:
-            kind = "sft"
-        elif "prompt" in columns:
-            kind = "rl"
-        else:
-            raise UserError(f"{where} has neither a `prompt` column (RL) nor a `messages` column (SFT); "
-                            f"columns: {', '.join(sorted(columns))}: rename the chat column")
+        kind = "sft" if "prompt" not in columns else "rl"
     if kind not in KINDS:
         raise UserError(f"unknown kind {kind!r}: use rl or sft")
     needed = "prompt" if kind == "rl" else "messages"
     if needed not in columns:
         raise UserError(f"{where} has no `{needed}` column, which {kind.upper()} data needs; columns: "
                         f"{', '.join(sorted(columns))}: rename your chat column to `{needed}`")
-    notes: list[str] = []
-    if kind == "rl":
-        _check_rl(table, where, notes)
-    else:
+    notes = _check_rl(table, where) if kind == "rl" else []
+    if kind == "sft":
         _check_sft(table, where)
-    keys = _row_keys(table, needed)
-    duplicates = _duplicate_note(keys, "prompt" if kind == "rl" else "conversation")
-    if duplicates:
-        notes.append(f"{where}: {duplicates}")
+    # to_pylist, not arrow kernels on literals (those would import pandas, see above); 7.5k GSM8K rows: ~0.05 s
+    keys = [tuple((m["role"], m["content"]) for m in chat) for chat in table.column(needed).to_pylist()]
+    first: dict = {}
+    repeats = []
+    for row, key in enumerate(keys):
+        earlier = first.setdefault(key, row)
+        if earlier != row:
+            repeats.append((row, earlier))
+    if repeats:
+        notes.append(f"{where}: {len(repeats)} of {len(keys)} rows repeat an earlier row's "
+                     f"{'prompt' if kind == 'rl' else 'conversation'} (first: row {repeats[0][0]} = row "
+                     f"{repeats[0][1]}): duplicates count double in training and in validation; drop them (pandas: "
+                     "drop_duplicates) unless that weighting is intended")
     return CheckReport(Path(where), kind, table.num_rows, notes, keys)
 
 
 def check_parquet(path: Path | str, kind: str | None = None) -> CheckReport:
-    """Check that verl 0.9.1 will accept `path` as RL (`kind="rl"`) or SFT (`"sft"`) data.
-
-    `kind=None` infers it from the columns (`messages` -> sft, `prompt` -> rl). Raises UserError with
-    one actionable line on the first problem: missing or unreadable file, no rows, a chat column that
-    is a plain string / not a list of {role, content} / empty / has an unknown role or null content,
-    RL rows without `data_source` or `reward_model.ground_truth`, SFT rows without an assistant turn.
-    Returns a CheckReport; its `notes` hold soft findings, e.g. an RL data_source that verl's default
-    scorer does not route (a custom reward function must then be configured).
-    """
+    """Check that verl 0.9.1 will accept `path` as RL (`kind="rl"`) or SFT (`"sft"`) data; `kind=None` infers
+    it from the columns. Raises UserError (one actionable line) on the first problem; the report's `notes` hold
+    soft findings, e.g. an RL data_source that verl's default scorer does not route."""
     path = Path(path)
     return check_table(_read_table(path), kind, str(path))
 
@@ -407,10 +368,10 @@ def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]
 def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], warnings: list[str]) -> bool:
     """Count the RL prompts' tokens with the tokenizer and chat template verl will use (app.spec's composed config).
     verl 0.9.1 left-truncates a prompt longer than actor_rollout_ref.rollout.prompt_length
-    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path), so a prompt that would reach
-    the rollout that long is refused. Its filter drops rows over data.max_prompt_length: said, and refused where
-    less than a batch (or no val row) is left. Returns True where the filter is on, every prompt fits and neither
-    CONFIG nor ARGS set it: then it can be turned off (verl counts row by row at every start)."""
+    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path): such a prompt is refused. Its
+    filter drops rows over data.max_prompt_length: said, and refused where less than a batch (or no val row) is
+    left. True where the filter is on, every prompt fits and neither CONFIG nor ARGS set it: then it can be
+    turned off (verl counts row by row at every start)."""
     from omegaconf import OmegaConf
 
     from app.spec import FILTER_KEY
@@ -435,19 +396,21 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
     key = sel("data.prompt_key") or "prompt"
     counts: dict[str, list[int]] = {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir),
+                                                  trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
         if sel(f"{model}.custom_chat_template"):
             tokenizer.chat_template = sel(f"{model}.custom_chat_template")
         for what, path in files:
             counts.setdefault(what, []).extend(prompt_lengths(path, tokenizer, key, kwargs, failed=limit + 1))
     except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
-        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}): "
+        reason = str(exc).splitlines()[0][:160] if str(exc) else ""
+        warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {reason}): "
                         f"verl's filter ({FILTER_KEY}={filtering}) decides")
         return False
     shuffle, seed = bool(sel("data.shuffle")), sel("data.seed")
-    counts = {what: _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed) for what, lengths in counts.items()}
+    counts = {what: _selected(lengths, sel(f"data.{what}_max_samples"), shuffle, seed)
+              for what, lengths in counts.items()}
     longest = max(max(lengths, default=0) for lengths in counts.values())
-    summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts.items())
     kept = {what: [n for n in lengths if n <= limit] if filtering else lengths for what, lengths in counts.items()}
     cut = ", ".join(f"{sum(n > cut_at for n in lengths)} of {len(lengths)} {what}" for what, lengths in kept.items()
                     if any(n > cut_at for n in lengths))
@@ -457,15 +420,21 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
                         f"{longest} tokens){'' if filtering else f' and {FILTER_KEY} is off'}: verl 0.9.1 would cut "
                         f"off their beginnings; raise data.max_prompt_length (and rollout.prompt_length where set) "
                         f"to {longest}{drop}")
-    batch, dropped = sel("data.train_batch_size"), {what: len(counts[what]) - len(kept[what]) for what in counts}
-    if len(kept["train"]) < batch or not kept.get("val", [1]):
-        what = "train" if len(kept["train"]) < batch else "val"
-        why = (f"verl's length filter would leave {len(kept[what])} {what} prompts (data.max_prompt_length={limit}, "
-               f"longest {longest} tokens)" if dropped[what] else f"{len(kept[what])} {what} prompts")
-        raise UserError(f"{why}{f', fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step would run' if what == 'train' else ''}; "
-                        + (f"raise data.max_prompt_length to {longest}" if dropped[what] else
-                           f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, len(kept[what]))}'"))
+    batch = sel("data.train_batch_size")
+    dropped = {what: len(counts[what]) - len(kept[what]) for what in counts}
+    short = "train" if len(kept["train"]) < batch else "val" if "val" in kept and not kept["val"] else None
+    if short:
+        left = len(kept[short])
+        why = (f"verl's length filter would leave {left} {short} prompts (data.max_prompt_length={limit}, "
+               f"longest {longest} tokens)" if dropped[short] else f"{left} {short} prompts")
+        if short == "train":
+            why += (f", fewer than data.train_batch_size={batch}: verl drops the last partial batch, so no step "
+                    "would run")
+        todo = (f"raise data.max_prompt_length to {longest}" if dropped[short] else
+                f"use more rows or a smaller batch, e.g. ARGS='data.train_batch_size={max(1, left)}'")
+        raise UserError(f"{why}; {todo}")
     if not any(dropped.values()):
+        summary = " and ".join(f"{len(lengths)} {what}" for what, lengths in counts.items())
         note = f"prompt lengths: longest {longest} tokens of {summary} prompts, within data.max_prompt_length={limit}"
         user = {o.lstrip("+").split("=", 1)[0] for o in spec.args} | set(spec.settings.config or {})
         if filtering and FILTER_KEY not in user:
@@ -481,19 +450,19 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
 
 def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", template_kwargs: dict | None = None,
                    chunk: int = 4096, failed: int | None = None) -> list[int]:
-    """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the
-    chat template with the generation prompt, tokenized without special tokens. Written here because verl
-    counts row by row in `datasets.filter` (single process by default) at every start; a fast tokenizer
-    encodes a chunk of rows in one call. A chunk that fails is counted row by row, and a row whose template
-    fails counts as `failed` (verl's filter drops it: it counts max_prompt_length + 1)."""
+    """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the chat
+    template with the generation prompt, tokenized without special tokens. verl counts row by row (in
+    `datasets.filter`, one process by default) at every start; a fast tokenizer encodes a chunk in one call. A
+    failed chunk is counted row by row; a row whose template fails counts as `failed` (verl: max_prompt_length + 1)."""
     import pyarrow.parquet as pq
 
-    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("tokenize", "return_dict",
-                                                                              "return_tensors")}
+    skipped = ("tokenize", "return_dict", "return_tensors")
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in skipped}
 
     def count(rows: list) -> list[int]:
         texts = tokenizer.apply_chat_template(rows, add_generation_prompt=True, tokenize=False, **kwargs)
-        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]]
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     with pq.ParquetFile(path) as parquet:
         rows = parquet.read(columns=[prompt_key]).column(prompt_key).to_pylist()
@@ -514,25 +483,23 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
 
 
 def _text_of_parts(content, where: str):
-    """Content given as parts ([{"type": "text", "text": ...}, ...], the OpenAI form) as one text: the parts back
-    to back, as the chat templates that accept parts render them. Anything but parts is returned as it is; a
-    part that is not text (an image, audio) is refused: the stack trains text models."""
+    """Content parts ([{"type": "text", "text": ...}, ...], the OpenAI form) as one text, back to back as the chat
+    templates that accept parts render them; anything else as it is. A part that is not text is refused."""
     if not isinstance(content, (list, tuple)):
         return content
     texts = []
     for part in content:
-        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-            continue
-        kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
-        raise UserError(f"{where} has a content part of type {kind}, not text: --fix joins text parts only (this "
-                        "stack trains text models); drop that part or write it as text")
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+            raise UserError(f"{where} has a content part of type {kind}, not text: --fix joins text parts only (this "
+                            "stack trains text models); drop that part or write it as text")
+        texts.append(part["text"])
     return "".join(texts)
 
 
 def _chat_from_string(text: str | None, where: str) -> list[dict] | None:
-    """A string prompt as a chat list: a JSON-encoded chat list is decoded, plain text becomes one user
-    message (decoding first so an already-serialized chat is not wrapped as text)."""
+    """A string prompt as a chat list: a JSON-encoded chat list is decoded (not wrapped as text), plain text
+    becomes one user message."""
     if text is None:
         return None
     stripped = text.strip()
@@ -545,45 +512,15 @@ def _chat_from_string(text: str | None, where: str) -> list[dict] | None:
     return [{"role": "user", "content": text}]
 
 
-def _has_content_parts(table, column: str) -> bool:
-    """Whether `column` is a chat list whose messages' content is a list (of parts)."""
+def _retyped(table, column: str, rows: list, arrow_type):
+    """`table` with `column` replaced by `rows` of `arrow_type`. pandas and `datasets` trust the types they
+    recorded in the schema metadata over the data (pandas then fails to read the file), so pandas' entry is
+    updated and `datasets`' feature list dropped (it re-infers it from the arrow schema)."""
     import pyarrow as pa
 
-    kind = table.schema.field(column).type
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
-        return False
-    names = [f.name for f in kind.value_type]
-    if "content" not in names:
-        return False
-    content = kind.value_type.field("content").type
-    return pa.types.is_list(content) or pa.types.is_large_list(content)
-
-
-def _flatten_parts(table, column: str, where: str, changes: list[str]):
-    """`column` (a chat list column) with every message's content parts joined into one text."""
-    import pyarrow as pa
-
-    array = table.column(column).combine_chunks()
-    message_type = array.type.value_type
-    chats = array.to_pylist()
-    for row, chat in enumerate(chats):
-        for message in chat or []:
-            if message is not None:
-                message["content"] = _text_of_parts(message["content"], f"{where} row {row}")
-    message_type = pa.struct([pa.field("content", pa.string()) if f.name == "content" else f for f in message_type])
-    table = table.set_column(table.column_names.index(column), pa.field(column, pa.list_(message_type)),
-                             pa.array(chats, type=pa.list_(message_type)))
-    changes.append(f"content parts of `{column}` joined into text in {len(chats)} rows")
-    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, column))
-
-
-def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
-    """Schema metadata after `column` changed from text to a chat list. pandas and `datasets` trust the
-    types they recorded there over the data (pandas then fails to read the file), so update pandas'
-    entry and drop `datasets`' feature list, which it re-infers from the arrow schema."""
-    if not metadata:
-        return metadata
-    metadata = dict(metadata)
+    index = table.column_names.index(column)
+    table = table.set_column(index, pa.field(column, arrow_type), pa.array(rows, type=arrow_type))
+    metadata = dict(table.schema.metadata or {})
     metadata.pop(b"huggingface", None)
     if b"pandas" in metadata:
         pandas_meta = json.loads(metadata[b"pandas"])
@@ -591,7 +528,27 @@ def _retyped_metadata(metadata: dict | None, column: str) -> dict | None:
             if entry.get("name") == column:
                 entry.update(pandas_type="list[object]", numpy_type="object")
         metadata[b"pandas"] = json.dumps(pandas_meta).encode()
-    return metadata
+    return table.replace_schema_metadata(metadata or None)
+
+
+def _join_parts(table, column: str, where: str, changes: list[str]):
+    """`table` with the content parts of every message in chat column `column` joined into one text, where
+    its content is a list (of parts)."""
+    import pyarrow as pa
+
+    chat_type = table.schema.field(column).type
+    if not (_is_list(chat_type) and "content" in _fields(chat_type.value_type)
+            and _is_list(chat_type.value_type.field("content").type)):
+        return table
+    chats = table.column(column).to_pylist()
+    for row, chat in enumerate(chats):
+        for message in chat or []:
+            if message is not None:
+                message["content"] = _text_of_parts(message["content"], f"{where} row {row}")
+    message_type = pa.struct([pa.field("content", pa.string()) if f.name == "content" else f
+                              for f in chat_type.value_type])
+    changes.append(f"content parts of `{column}` joined into text in {len(chats)} rows")
+    return _retyped(table, column, chats, pa.list_(message_type))
 
 
 def _truth_as_text(value) -> str | None:
@@ -600,9 +557,8 @@ def _truth_as_text(value) -> str | None:
         return None  # NaN is pandas' missing value: "nan" would pass as text and match no answer
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    if hasattr(value, "normalize"):  # decimal.Decimal
-        text = format(value.normalize(), "f")
-        return text
+    if isinstance(value, decimal.Decimal):
+        return format(value.normalize(), "f")
     return str(value)
 
 
@@ -611,33 +567,27 @@ def _fix_ground_truth(table, changes: list[str]):
 
     if "reward_model" not in table.column_names:
         return table
-    reward = table.column("reward_model").combine_chunks()
-    if not pa.types.is_struct(reward.type) or "ground_truth" not in {f.name for f in reward.type}:
+    reward = table.schema.field("reward_model").type
+    if "ground_truth" not in _fields(reward) or not _is_number_type(reward.field("ground_truth").type):
         return table
-    truth_type = reward.type.field("ground_truth").type
-    if not _is_number_type(truth_type):
-        return table
-    rows = reward.to_pylist()
+    rows = table.column("reward_model").to_pylist()
     for row in rows:
         if row is not None:
             row["ground_truth"] = _truth_as_text(row["ground_truth"])
-    fields = [pa.field("ground_truth", pa.string()) if f.name == "ground_truth" else f for f in reward.type]
-    index = table.column_names.index("reward_model")
-    table = table.set_column(index, pa.field("reward_model", pa.struct(fields)),
-                             pa.array(rows, type=pa.struct(fields)))
-    changes.append(f"reward_model.ground_truth written as text (was {truth_type})")
-    return table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "reward_model"))
+    changes.append(f"reward_model.ground_truth written as text (was {reward.field('ground_truth').type})")
+    fields = [pa.field("ground_truth", pa.string()) if f.name == "ground_truth" else f for f in reward]
+    return _retyped(table, "reward_model", rows, pa.struct(fields))
 
 
 def _prompt_response_to_messages(table, where: str, changes: list[str]):
     """prompt (text or chat list) + response (text) -> one `messages` conversation per row."""
     import pyarrow as pa
 
-    prompts = table.column("prompt").to_pylist()
-    responses = table.column("response").to_pylist()
+    columns = table.column_names
     conversations = []
     numbers = 0
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+    rows = zip(table.column("prompt").to_pylist(), table.column("response").to_pylist())
+    for row, (prompt, response) in enumerate(rows):
         at = f"{where} row {row}"
         if not prompt:  # an assistant turn alone would pass as a conversation and train on no question
             raise UserError(f"{at} has no prompt: fill it in or drop the row")
@@ -655,27 +605,21 @@ def _prompt_response_to_messages(table, where: str, changes: list[str]):
             raise UserError(f"{at}: `response` is a {type(response).__name__} ({str(response)[:40]!r}), not text: "
                             "write the answer as text")
         conversations.append(chat + [{"role": "assistant", "content": response}])
-    message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    keep = [name for name in table.column_names if name not in ("prompt", "response", "__index_level_0__")]
-    response_type = table.schema.field("response").type
-    table = table.select(keep)
-    table = table.add_column(0, pa.field("messages", pa.list_(message)),
-                             pa.array(conversations, type=pa.list_(message)))
     changes.append(f"prompt + response converted to a `messages` conversation in {len(conversations)} rows")
     if numbers:
-        changes.append(f"{numbers} numeric responses written as text (was {response_type})")
+        changes.append(f"{numbers} numeric responses written as text (was {table.schema.field('response').type})")
+    chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    table = table.select([name for name in columns if name not in ("prompt", "response", "__index_level_0__")])
+    table = table.add_column(0, pa.field("messages", chat_type), pa.array(conversations, type=chat_type))
     # pandas' and datasets' recorded column lists no longer match the file: drop them, both re-infer
     return table.replace_schema_metadata(None)
 
 
 def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, force: bool = False
                 ) -> tuple[CheckReport, list[str]]:
-    """Write a repaired copy of `path` to `out`:
-      - RL: every plain-string `prompt` turned into a chat list (`[{"role": "user", "content": text}]`),
-        a numeric `reward_model.ground_truth` written as text (verl's scorers compare strings);
-      - SFT in the old prompt/response form: converted to a `messages` conversation (user, assistant).
-    The result is checked before it is written (atomically); on any problem nothing is written.
-    Returns (report of the new file, what was changed: one phrase per repair)."""
+    """Write a repaired copy of `path` to `out`: RL string prompts as chat lists and a numeric ground truth as
+    text, content parts joined into text, old prompt/response SFT as a `messages` conversation. The result is
+    checked before it is written (atomically). Returns (report of the new file, one phrase per repair)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -683,39 +627,35 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
     if resolved(out, "FIX") == resolved(path, "FILE"):
         raise UserError(f"--fix {out} is the input file: write the fixed copy to a new path")
     if out.is_dir():
-        raise UserError(f"FIX={out} is a directory: name the file to write, e.g. FIX={out / (path.stem + '.fixed.parquet')}")
+        raise UserError(f"FIX={out} is a directory: name the file to write, e.g. "
+                        f"FIX={out / (path.stem + '.fixed.parquet')}")
     if out.exists() and not force:
         raise UserError(f"{out} already exists: choose another path or set FORCE=1 to replace it")
     table = _read_table(path)
+    columns = table.column_names
     changes: list[str] = []
-    if is_prompt_response(table.column_names) and kind in (None, "sft"):
+    if is_prompt_response(columns) and kind in (None, "sft"):
         table = _prompt_response_to_messages(table, str(path), changes)
-        report = check_table(table, "sft", str(path))  # what is left wrong is the input's
-    elif kind == "sft" or (kind is None and "messages" in table.column_names and "prompt" not in table.column_names):
-        if _has_content_parts(table, "messages"):
-            table = _flatten_parts(table, "messages", str(path), changes)
-            report = check_table(table, "sft", str(path))
-        else:
+        kind = "sft"
+    elif kind == "sft" or (kind is None and "messages" in columns and "prompt" not in columns):
+        table = _join_parts(table, "messages", str(path), changes)
+        if not changes:
             raise UserError(f"--fix repairs RL data, prompt/response SFT data and content parts; {path} is `messages` "
                             "SFT data, which must already be a conversation list: `data check` says what is wrong "
                             "with it")
     else:
-        if "prompt" in table.column_names:
-            prompt = table.column("prompt")
-            if _has_content_parts(table, "prompt"):
-                table = _flatten_parts(table, "prompt", str(path), changes)
-            if pa.types.is_string(prompt.type) or pa.types.is_large_string(prompt.type):
-                chats = [_chat_from_string(text, f"{path} row {row}") for row, text in enumerate(prompt.to_pylist())]
-                rewritten = sum(chat is not None for chat in chats)
-                message = pa.struct([("role", pa.string()), ("content", pa.string())])
-                index = table.column_names.index("prompt")
-                table = table.set_column(index, pa.field("prompt", pa.list_(message)),
-                                         pa.array(chats, type=pa.list_(message)))
-                table = table.replace_schema_metadata(_retyped_metadata(table.schema.metadata, "prompt"))
-                changes.append(f"{rewritten} string prompts rewritten as chat lists")
+        if "prompt" in columns and _is_text(table.schema.field("prompt").type):
+            chats = [_chat_from_string(text, f"{path} row {row}")
+                     for row, text in enumerate(table.column("prompt").to_pylist())]
+            chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+            table = _retyped(table, "prompt", chats, chat_type)
+            changes.append(f"{sum(chat is not None for chat in chats)} string prompts rewritten as chat lists")
+        elif "prompt" in columns:
+            table = _join_parts(table, "prompt", str(path), changes)
         table = _fix_ground_truth(table, changes)
-        report = check_table(table, "rl", str(path))
-    report.path = out  # checked under the input's name (what is left wrong is its), reported as the new file
+        kind = "rl"
+    report = check_table(table, kind, str(path))  # under the input's name: what is left wrong is its
+    report.path = out
     with atomic_path(out, "FIX") as tmp:
         pq.write_table(table, tmp)
     return report, changes
@@ -724,9 +664,8 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
 # --- GSM8K ---------------------------------------------------------------------------------------------
 @functools.cache
 def verl_gsm8k_module():
-    """verl's own `verl.utils.reward_score.gsm8k` module (what GRPO rewards with), or None without verl.
-    Loaded from its file alone: importing the verl package pulls in torch and Ray (~10 s of CPU) and
-    this scorer is one self-contained regex module."""
+    """verl's own `verl.utils.reward_score.gsm8k` module (what GRPO rewards with), or None without verl. Loaded
+    from its file alone: importing verl pulls in torch and Ray (~10 s) for one self-contained regex module."""
     loaded = sys.modules.get("verl.utils.reward_score.gsm8k")
     if loaded is not None:
         return loaded
@@ -772,35 +711,26 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    rows.append((f"{path} line {number}", json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise UserError(f"{path} line {number} is not valid JSON ({exc.msg}): fix or remove that "
                                     "line (one JSON object per line)") from None
-                rows.append((f"{path} line {number}", row))
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
         raise UserError(f"{path} cannot be read ({type(exc).__name__}: {exc}): replace it with an intact "
                         "copy") from None
     return rows
 
 
-def _read_parquet_rows(paths: Iterable[Path]) -> list[tuple[str, dict]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _read_parquet_rows(paths: list[Path]) -> list[tuple[str, dict]]:
     rows = []
     for path in paths:
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UserError(f"{path} is not a readable parquet file ({reason}): replace it with an intact "
-                            "copy") from None
+        table = _read_table(path, "replace it with an intact copy")
         missing = {"question", "answer"} - set(table.column_names)
         if missing:
             raise UserError(f"{path} lacks column(s) {', '.join(sorted(missing))}: GSM8K needs `question` and "
                             "`answer`")
-        for number, row in enumerate(table.select(["question", "answer"]).to_pylist()):
-            rows.append((f"{path} row {number}", row))
+        questions = table.select(["question", "answer"]).to_pylist()
+        rows += [(f"{path} row {number}", row) for number, row in enumerate(questions)]
     return rows
 
 
@@ -845,35 +775,37 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     return truth if _NUMBER.fullmatch(truth) else None
 
 
-def _convert(split: str, index: int, where: str, row: dict, scorer) -> tuple[dict, dict]:
-    """One GSM8K row -> (RL row, SFT row)."""
-    if not isinstance(row, dict):
-        raise UserError(f"{where} is not a JSON object: each line needs {{\"question\": ..., \"answer\": ...}}")
-    question, answer = row.get("question"), row.get("answer")
-    for name, value in (("question", question), ("answer", answer)):
-        if not isinstance(value, str) or not value.strip():
-            raise UserError(f"{where} has no text `{name}`: fix or remove that row")
-    truth = gsm8k_ground_truth(answer)
-    if truth is None:
-        raise UserError(f"{where}: the answer does not end with '#### <number>': fix or remove that row "
-                        f"(answer ends {answer[-40:]!r})")
-    if scorer is not None and scorer(answer, truth) != 1.0:
-        raise UserError(f"{where}: verl's gsm8k scorer gives the reference answer 0 against its own ground "
-                        f"truth {truth!r} (it needs '#### <number>' with one space, near the end): fix that row")
-    user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
-    extra = {"split": split, "index": index, "answer": answer, "question": question}
-    rl = {"data_source": GSM8K_DATA_SOURCE, "prompt": [user], "ability": "math",
-          "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": extra}
-    sft = {"messages": [user, {"role": "assistant", "content": answer}], "extra_info": extra}
-    return rl, sft
+def _convert(split: str, rows: list[tuple[str, dict]], scorer, tick: Callable[[], object] = lambda: None
+             ) -> tuple[list[dict], list[dict]]:
+    """GSM8K rows of one split -> (RL rows, SFT rows); a bad row is refused, naming it."""
+    rl_rows, sft_rows = [], []
+    for index, (where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object: each line needs {{\"question\": ..., \"answer\": ...}}")
+        question, answer = row.get("question"), row.get("answer")
+        for name, value in (("question", question), ("answer", answer)):
+            if not isinstance(value, str) or not value.strip():
+                raise UserError(f"{where} has no text `{name}`: fix or remove that row")
+        truth = gsm8k_ground_truth(answer)
+        if truth is None:
+            raise UserError(f"{where}: the answer does not end with '#### <number>': fix or remove that row "
+                            f"(answer ends {answer[-40:]!r})")
+        if scorer is not None and scorer(answer, truth) != 1.0:
+            raise UserError(f"{where}: verl's gsm8k scorer gives the reference answer 0 against its own ground "
+                            f"truth {truth!r} (it needs '#### <number>' with one space, near the end): fix that row")
+        user = {"role": "user", "content": f"{question} {INSTRUCTION}"}
+        extra = {"split": split, "index": index, "answer": answer, "question": question}
+        rl_rows.append({"data_source": GSM8K_DATA_SOURCE, "prompt": [user], "ability": "math",
+                        "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": extra})
+        sft_rows.append({"messages": [user, {"role": "assistant", "content": answer}], "extra_info": extra})
+        tick()
+    return rl_rows, sft_rows
 
 
 def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> list[tuple[str, dict]]:
-    """`rows` without exact repeats (the same question and answer as an earlier row; the first is kept), with a
-    warning saying how many went. A repeat adds nothing but double weight in training and in validation (the
-    stack's own check warns of it), so dropping it loses nothing, where refusing would make the user edit a
-    downloaded dataset by hand. The same question with a different answer is refused: which answer is the
-    ground truth is the user's call, and prep writes one RL prompt per question."""
+    """`rows` without exact repeats (the first is kept), with a warning: a repeat only doubles a row's weight, and
+    refusing would make the user edit a downloaded dataset by hand. The same question with another answer is
+    refused: which is the ground truth is the user's call (prep writes one RL prompt per question)."""
     first: dict[str, tuple[str, object]] = {}
     kept, dropped = [], []
     for where, row in rows:
@@ -898,9 +830,8 @@ def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> l
 
 
 def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: str) -> None:
-    """The test split (validation during training, make eval) must hold questions the train split does not: a
-    test split that is all train rows is refused before anything is written (make check refuses its files
-    later); a partial overlap is a warning, as in data check."""
+    """A test split (validation, make eval) that is all train questions is refused before anything is written;
+    a partial overlap is a warning, as in data check."""
     train = {row["question"]: where for where, row in splits.get("train", [])
              if isinstance(row, dict) and isinstance(row.get("question"), str)}
     test = [(where, row["question"]) for where, row in splits.get("test", [])
@@ -918,19 +849,6 @@ def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: 
          "split")
 
 
-def _schemas():
-    import pyarrow as pa
-
-    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                       ("question", pa.string())])
-    rl = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
-                    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-                    ("extra_info", extra)])
-    sft = pa.schema([("messages", message), ("extra_info", extra)])
-    return rl, sft
-
-
 def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
     """Self-check of prep: the RL and SFT files hold the same rows in the same order."""
     import pyarrow.parquet as pq
@@ -945,14 +863,21 @@ def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
             raise RuntimeError(f"prep self-check: RL and SFT rows differ at row {i}")
 
 
-def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]]) -> dict[str, Path]:
-    """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT
-    messages) for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is
-    checked with `check_parquet` and against its twin before the set is renamed into place."""
+def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]],
+                 headline: str) -> dict[str, Path]:
+    """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT messages)
+    for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is checked with
+    `check_parquet` and against its twin before the set is renamed into place. Then says `headline` and them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rl_schema, sft_schema = _schemas()
+    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                       ("question", pa.string())])
+    rl_schema = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
+                           ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                           ("extra_info", extra)])
+    sft_schema = pa.schema([("messages", message), ("extra_info", extra)])
     outputs = {f"{sub}/{split}": data_dir / sub / f"{split}.parquet"
                for sub in (name, f"{name}_sft") for split in converted}
     new_dirs = [d for d in (data_dir, data_dir / name, data_dir / f"{name}_sft") if not d.exists()]
@@ -973,27 +898,22 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
+    say(headline)
+    for key, path in outputs.items():
+        sub, split = key.split("/")
+        kind = "SFT messages" if sub.endswith("_sft") else "RL prompt"
+        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
     return outputs
 
 
-def say_written(outputs: dict[str, Path], converted: dict[str, tuple[list[dict], list[dict]]]) -> None:
-    for name, path in outputs.items():
-        split = name.split("/")[1]
-        kind = "SFT messages" if name.split("/")[0].endswith("_sft") else "RL prompt"
-        say(f"wrote {path} ({len(converted[split][0])} rows, {kind})")
+_SCORED = ", verl's gsm8k scorer gives every reference answer 1.0"
 
 
 def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict[str, Path]:
-    """Prepare GSM8K for verl 0.9.1 and return {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train",
-    "gsm8k_sft/test"}.
-
-    `source`: None (the copy bundled in the repo), a directory with train/test as .jsonl, .jsonl.gz or
-    .parquet (columns question, answer), or "hf" (openai/gsm8k through `datasets`). Writes
-    `<data_dir>/gsm8k/{split}.parquet` (RL schema) and `<data_dir>/gsm8k_sft/{split}.parquet` (multi-turn
-    `messages`). Every input row is validated, and verl's own gsm8k scorer must give its reference answer
-    1.0, before anything is written; the written files are checked with `check_parquet` and against each
-    other, and only then renamed into place, all four together. On any failure nothing is left behind.
-    """
+    """Prepare GSM8K for verl 0.9.1: {"gsm8k/train": path, "gsm8k/test", "gsm8k_sft/train", "gsm8k_sft/test"}.
+    `source`: None (the copy bundled in the repo), a directory with train/test as .jsonl, .jsonl.gz or .parquet
+    (columns question, answer), or "hf" (openai/gsm8k through `datasets`). Every row is validated, and verl's
+    gsm8k scorer must give its reference answer 1.0, before anything is written."""
     from tqdm import tqdm
 
     described, splits = _read_source(source)
@@ -1002,23 +922,10 @@ def prep_gsm8k(source: str | None = None, data_dir: Path | str = "data") -> dict
     scorer = verl_gsm8k_scorer()
     if scorer is None:
         warn("verl is not installed: the reference answers were not scored with verl's gsm8k scorer")
-    converted: dict[str, tuple[list[dict], list[dict]]] = {}
-    total = sum(len(rows) for rows in splits.values())
     # disable=None: a bar on a terminal, nothing in logs (so a failure stays one line there)
-    with tqdm(total=total, desc="gsm8k", unit="row", disable=None) as bar:
-        for split, rows in splits.items():
-            rl_rows, sft_rows = [], []
-            for index, (where, row) in enumerate(rows):
-                rl, sft = _convert(split, index, where, row, scorer)
-                rl_rows.append(rl)
-                sft_rows.append(sft)
-                bar.update()
-            converted[split] = (rl_rows, sft_rows)
-
-    outputs = write_splits(Path(data_dir), "gsm8k", converted)
-    say(f"GSM8K from {described}" + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
-    say_written(outputs, converted)
-    return outputs
+    with tqdm(total=sum(len(rows) for rows in splits.values()), desc="gsm8k", unit="row", disable=None) as bar:
+        converted = {split: _convert(split, rows, scorer, bar.update) for split, rows in splits.items()}
+    return write_splits(Path(data_dir), "gsm8k", converted, f"GSM8K from {described}" + (_SCORED if scorer else ""))
 
 
 # --- arith: a task a tiny model learns in minutes (the proof that SFT and GRPO make a model better) ------
@@ -1030,32 +937,20 @@ ARITH_TEST_ROWS = 1000
 ARITH_SEED = 0
 
 
-def arith_rows(max_operand: int = ARITH_MAX, test_rows: int = ARITH_TEST_ROWS, seed: int = ARITH_SEED,
-               scorer=None) -> dict[str, tuple[list[dict], list[dict]]]:
-    """{split: (RL rows, SFT rows)} of the addition task: every (a, b) pair once, test pairs held out."""
-    import random
-
-    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
-    random.Random(seed).shuffle(pairs)
-    splits = {"train": pairs[test_rows:], "test": pairs[:test_rows]}
-    out = {}
-    for split, chosen in splits.items():
-        rows = [(f"arith {split} row {i}", {"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
-                for i, (a, b) in enumerate(chosen)]
-        converted = [_convert(split, i, where, row, scorer) for i, (where, row) in enumerate(rows)]
-        out[split] = ([rl for rl, _ in converted], [sft for _, sft in converted])
-    return out
-
-
 def prep_arith(data_dir: Path | str = "data") -> dict[str, Path]:
     """Write the addition task as `<data_dir>/arith/{train,test}.parquet` (RL) and `arith_sft/` (SFT)."""
+    import random
+
     scorer = verl_gsm8k_scorer()
-    converted = arith_rows(scorer=scorer)
-    outputs = write_splits(Path(data_dir), "arith", converted)
-    say(f"arith: {ARITH_MAX}x{ARITH_MAX} additions, {ARITH_TEST_ROWS} held out for test"
-        + (", verl's gsm8k scorer gives every reference answer 1.0" if scorer else ""))
-    say_written(outputs, converted)
-    return outputs
+    pairs = [(a, b) for a in range(ARITH_MAX) for b in range(ARITH_MAX)]
+    random.Random(ARITH_SEED).shuffle(pairs)
+    converted = {}
+    for split, chosen in (("train", pairs[ARITH_TEST_ROWS:]), ("test", pairs[:ARITH_TEST_ROWS])):
+        rows = [(f"arith {split} row {i}", {"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"})
+                for i, (a, b) in enumerate(chosen)]
+        converted[split] = _convert(split, rows, scorer)
+    headline = f"arith: {ARITH_MAX}x{ARITH_MAX} additions, {ARITH_TEST_ROWS} held out for test"
+    return write_splits(Path(data_dir), "arith", converted, headline + (_SCORED if scorer else ""))
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
@@ -1080,7 +975,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     # make data-check FILE=... KIND=... FIX=...: the Makefile passes them as settings, not arguments
     parser.add_argument("file", type=Path, nargs="?" if settings["FILE"] else None, default=settings["FILE"],
                         help="the parquet to check (FILE)")
-    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"], help="rl or sft (KIND; default: from the columns)")
+    parser.add_argument("--kind", choices=KINDS, default=settings["KIND"],
+                        help="rl or sft (KIND; default: from the columns)")
     parser.add_argument("--fix", type=Path, metavar="OUT", default=settings["FIX"],
                         help="write a repaired copy to OUT (FIX): string prompts -> chat lists, numeric ground truth "
                              "-> text, prompt/response SFT -> messages")
@@ -1095,7 +991,11 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         say(f"wrote {args.fix} ({report.rows} rows; {'; '.join(changes) or 'nothing needed fixing'})")
     else:
         report = check_parquet(args.file, args.kind)
-    other = args.against if args.against is not None else _sibling_split(args.file)
+    other = args.against
+    # make prep's layout: train.parquet is compared with test.parquet beside it, and the other way round
+    partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(args.file.name)
+    if other is None and partner and args.file.with_name(partner).is_file():
+        other = args.file.with_name(partner)
     overlap = None
     if other is not None:
         overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
@@ -1105,9 +1005,3 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         warn(note)
     return 0
 
-
-def _sibling_split(path: Path) -> Path | None:
-    """`make prep`'s layout: train.parquet is compared with test.parquet beside it, and the other way round."""
-    partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(path.name)
-    candidate = path.with_name(partner) if partner else None
-    return candidate if candidate is not None and candidate.is_file() else None
