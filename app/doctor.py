@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app import node
-from app.common import UserError, existing_parent
+from app.common import UserError, existing_parent, human_bytes
 from app.runs import read_model
 from app.settings import REGISTRY, Settings
 
@@ -175,14 +175,6 @@ def safetensors_header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise ValueError(f"{path.name} has a damaged header (not a JSON object)")
     return header
-
-
-def human_bytes(count: float) -> str:
-    """1.5 GiB, 23.4 MiB, 512 KiB: precise enough at every model size (a tiny test model is MiBs)."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count:.0f} bytes"
 
 
 def human_parameters(count: int) -> str:
