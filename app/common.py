@@ -8,8 +8,10 @@ import errno
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +31,7 @@ def directory_problem(path: Path, writable: bool = True) -> str | None:
     write access), as the end of a sentence about it; None where it can."""
     if path.exists() and not path.is_dir():
         return "is a file"
-    existing = next(parent for parent in [path, *path.parents] if parent.exists())
+    existing = existing_parent(path)
     if not existing.is_dir():
         return f"is under {existing}, which is a file"
     if writable and not os.access(existing, os.W_OK | os.X_OK):
@@ -38,10 +40,8 @@ def directory_problem(path: Path, writable: bool = True) -> str | None:
 
 
 class UserError(Exception):
-    """A failure the user can fix. The CLI prints it as one line (no traceback) and exits non-zero.
-
-    The message should say what is wrong *and* what to do about it.
-    """
+    """A failure the user can fix, saying what is wrong and what to do: the CLI prints it as one line (no
+    traceback) and exits non-zero."""
 
     exit_code = 2
 
@@ -83,23 +83,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_temporaries(final: Path) -> list[Path]:
-    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `final` whose process is gone.
-
-    atomic_path cleans its temporary on any exception, but not after SIGKILL, OOM or power loss: the next
-    write of the same path does it here. A temporary of a live process (a concurrent run) is kept.
-    """
-    removed = []
+def sweep_stale_temporaries(final: Path) -> None:
+    """Remove the `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `final` that atomic_path left behind when
+    killed (SIGKILL, OOM, power loss); a live process's (a concurrent run) are kept."""
     prefix = f".{final.name}."
     try:
         siblings = list(final.parent.iterdir())
     except OSError:
-        return removed
+        return
     for sibling in siblings:
-        name = sibling.name
-        if not name.startswith(prefix):
+        if not sibling.name.startswith(prefix):
             continue
-        kind, _, rest = name[len(prefix):].partition("-")
+        kind, _, rest = sibling.name[len(prefix):].partition("-")
         pid = rest.split("-", 1)[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
             continue
@@ -108,15 +103,6 @@ def sweep_stale_temporaries(final: Path) -> list[Path]:
                 shutil.rmtree(sibling)
             else:
                 sibling.unlink()
-            removed.append(sibling)
-    return removed
-
-
-def unwritable(path: Path, reason: str, setting: str | None = None) -> UserError:
-    """The one-line refusal for a location we cannot write (permissions, read-only mount, a file in the way)."""
-    named = f" ({setting})" if setting else ""
-    where = f"set {setting} to a writable directory" if setting else "choose a writable location"
-    return UserError(f"cannot write {path}{named}: {reason}: {where}, or fix its permissions / mount")
 
 
 def writable_dir(directory: Path, setting: str | None = None) -> Path:
@@ -126,60 +112,51 @@ def writable_dir(directory: Path, setting: str | None = None) -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise unwritable(directory, "a file is in the way (not a directory)", setting) from None
+        reason = "a file is in the way (not a directory)"
     except OSError as exc:
         if exc.errno in NO_ROOM:
             raise NoRoom(directory, setting, None, directory.name, exc.errno) from None
         reason = exc.strerror or type(exc).__name__
         if exc.filename and str(exc.filename) != str(directory):
             reason += f" at {exc.filename}"
-        raise unwritable(directory, reason, setting) from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        reason = "read-only file system" if _read_only_mount(directory) else "permission denied"
-        raise unwritable(directory, reason, setting)
-    return directory
-
-
-def _read_only_mount(directory: Path) -> bool:
-    try:
-        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
+    else:
+        if os.access(directory, os.W_OK | os.X_OK):
+            return directory
+        try:
+            read_only = os.statvfs(directory).f_flag & os.ST_RDONLY
+        except OSError:
+            read_only = False
+        reason = "read-only file system" if read_only else "permission denied"
+    named = f" ({setting})" if setting else ""
+    where = f"set {setting} to a writable directory" if setting else "choose a writable location"
+    raise UserError(f"cannot write {directory}{named}: {reason}: {where}, or fix its permissions / mount")
 
 
 # --- paths the user gives -----------------------------------------------------------------------------
 
-def symlink_loop(path: Path) -> Path | None:
-    """The first component of `path` that is a symbolic link loop (a link that, followed, comes back to
-    itself), or None. pathlib reads such a path as absent (exists() is False) and resolve() raises
-    RuntimeError, so without this a loop is "does not exist", replaced by a rename, or an internal error."""
-    path = Path(path).expanduser()
+def _stat_errno(path: Path) -> int | None:
     try:
         os.stat(path)
-        return None
     except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            return None
-    for prefix in [*reversed(path.parents), path]:  # the shortest prefix that loops is the culprit
-        try:
-            os.stat(prefix)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                return prefix
-    return path
+        return exc.errno
+    return None
 
 
 def refuse_symlink_loop(path: Path | str, setting: str | None = None) -> None:
-    """One line naming the link where `path` (the value of `setting`) runs through a symbolic link loop."""
-    loop = symlink_loop(Path(path))
-    if loop is None:
+    """One line naming the link where `path` (the value of `setting`) runs through a symbolic link loop.
+    pathlib reads such a path as absent (exists() is False) and resolve() raises RuntimeError, so without
+    this a loop is "does not exist", replaced by a rename, or an internal error."""
+    given = Path(path).expanduser()
+    if _stat_errno(given) != errno.ELOOP:
         return
+    # the culprit is the shortest prefix that loops
+    loop = next((p for p in [*reversed(given.parents), given] if _stat_errno(p) == errno.ELOOP), given)
     named = f" ({setting})" if setting else ""
     try:
         target = f" -> {os.readlink(loop)}"
     except OSError:
         target = ""
-    inside = "" if loop == Path(path).expanduser() else f"{path}{named}: "
+    inside = "" if loop == given else f"{path}{named}: "
     raise UserError(f"{inside}{loop}{'' if inside else named} is a symbolic link that loops back on itself{target}, "
                     f"so nothing can be read or written through it: point {setting or 'the path'} at a real "
                     f"file or directory, or repoint the link (ln -sfn TARGET {loop})")
@@ -243,14 +220,15 @@ def human_bytes(size: float) -> str:
     return f"{size:.1f} TiB"
 
 
-def _existing(path: Path) -> Path:
+def existing_parent(path: Path) -> Path:
+    """`path` or the nearest directory above it that exists."""
     return next((p for p in [path, *path.parents] if p.exists()), Path("/"))
 
 
 def free_bytes(directory: Path) -> int | None:
     """Bytes this user may still write on the disk of `directory` (or of the nearest directory above it)."""
     try:
-        fs = os.statvfs(_existing(Path(directory)))
+        fs = os.statvfs(existing_parent(Path(directory)))
     except OSError:
         return None
     return fs.f_bavail * fs.f_frsize
@@ -258,8 +236,7 @@ def free_bytes(directory: Path) -> int | None:
 
 class NoRoom(UserError):
     """The one line for a full disk or an exhausted quota: which directory, how much the write needs where that
-    is known, how much is free. The free space is measured when the line is printed, i.e. after every
-    temporary of the failed write has been removed."""
+    is known, how much is free (measured when the line is printed: after the failed write's temporaries are gone)."""
 
     def __init__(self, directory: Path, setting: str | None, needed: int | None, what: str, number: int = errno.ENOSPC,
                  ahead: bool = False, needs: str = "it needs about"):
@@ -270,6 +247,7 @@ class NoRoom(UserError):
     def __str__(self) -> str:
         named = f" ({self.setting})" if self.setting else ""
         where = f"set {self.setting} to a disk with room" if self.setting else "write it to a disk with room"
+        amounts = [f"{self.needs} {human_bytes(self.needed)}"] if self.needed else []
         if self.number == errno.EDQUOT:
             head = f"disk quota exceeded in {self.directory}{named} writing {self.what}"
             fix = f"free space in your quota there or {where}"
@@ -277,12 +255,9 @@ class NoRoom(UserError):
             start = "not enough space" if self.ahead else "no space left"
             head = f"{start} on the disk of {self.directory}{named} {'for' if self.ahead else 'writing'} {self.what}"
             fix = f"free space there or {where}"
-        free = free_bytes(self.directory)
-        amounts = []
-        if self.needed:
-            amounts.append(f"{self.needs} {human_bytes(self.needed)}")
-        if free is not None and self.number != errno.EDQUOT:
-            amounts.append(f"{human_bytes(free)} is free there")
+            free = free_bytes(self.directory)
+            if free is not None:
+                amounts.append(f"{human_bytes(free)} is free there")
         tail = "nothing was written" if self.ahead else "nothing half-written was kept"
         detail = f" ({', '.join(amounts)})" if amounts else ""
         return f"{head}{detail}: {fix}; {tail}"
@@ -332,17 +307,11 @@ def apply_umask(root: Path) -> None:
 @contextlib.contextmanager
 def atomic_path(final: Path | str, setting: str | None = None, needed: int | None = None,
                 what: str | None = None, needs: str = "it needs about") -> Iterator[Path]:
-    """Yield a temporary sibling of `final` (file or directory) and rename it into place on success.
-
-    On any failure (exception, Ctrl-C, SIGTERM through the CLI's handler) the temporary is removed, so
-    `final` is either the complete new result or untouched: nothing half-written is ever visible under
-    the final name. Temporaries left by a killed process (SIGKILL) are removed by the next write of the
-    same path. An unwritable parent is a UserError naming it (and `setting`, the variable that chose it);
-    so is a full disk or quota, whichever writer hit it (NoRoom; `needed`, the bytes the write takes where
-    the caller knows them, is also checked against the free space before anything is written, `what` names
-    the result and `needs` how the line says the amount). What is renamed into place has the modes of the
-    user's umask (apply_umask). The caller decides beforehand whether an existing `final` may be replaced.
-    """
+    """Yield a temporary sibling of `final` (file or directory) and rename it into place, with the modes of the
+    user's umask, on success; on any failure (exception, Ctrl-C, SIGTERM) remove it: `final` is the complete
+    new result or untouched. An unwritable parent and a full disk or quota (whichever writer hit it; `needed`
+    bytes, where known, are checked before anything is written) are one line naming `setting` and `what`,
+    saying the amount as `needs`. The caller decides beforehand whether an existing `final` may be replaced."""
     final = Path(final)
     what = what or final.name
     refuse_symlink_loop(final, setting)
@@ -383,14 +352,10 @@ def hydra_quoted(text: str) -> str:
 
 
 def stop_group(process, what: str = "", grace: float = 60.0) -> None:
-    """The one way the stack stops what it started (with start_new_session=True): SIGTERM to the leader, which
-    stops its own children in order (`ray start --block` its Ray processes, torchrun its ranks, the warm-up vLLM's
-    inspection child); then whatever is left of its process group gets SIGTERM, and SIGKILL after `grace` seconds
-    in all. Signalling the whole group at once would kill Ray's GCS under `ray start`, which then waits 30 s to
-    drain through it and prints a traceback. Nothing where it is over."""
-    import signal
-    import time
-
+    """The one way the stack stops what it started (start_new_session=True): SIGTERM to the leader, which stops
+    its own children in order (`ray start --block` its Ray processes, torchrun its ranks, the warm-up vLLM's
+    child); then SIGTERM to what is left of its group, SIGKILL after `grace` seconds in all. Signalling the
+    whole group at once would kill Ray's GCS under `ray start`, which then waits 30 s and prints a traceback."""
     def group_alive() -> bool:
         process.poll()  # reaps the leader (a zombie still counts as a member of its group)
         try:

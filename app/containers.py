@@ -4,20 +4,10 @@
     python -m app.containers build                          # what `make build` runs
 
 `run` decides the runtime (RUNTIME=auto: docker only where an engine answers AND the image is on this node;
-it says which it chose and why), then execs
-
-    docker compose -f compose.yaml [-f compose.gpu.yaml] [-f compose.ib.yaml] run --rm --pull never \\
-        -e NAME ... -v SRC:DST ... SERVICE python -m app COMMAND ARGS
-
-with, computed here: every setting that is set (passthrough_names() and PASS_PREFIXES, as the local plan
-passes them); a mount at the same absolute path for every path setting (PATH_SETTINGS) outside the checkout's
-data/ models/ checkpoints/, or a one-line refusal before anything starts; a writable HOME and caches on the
-host, and a passwd entry for you (containers run as your UID:GID); ~/.ssh read-only for the merger when it
-exists; compose.gpu.yaml where the engine has the NVIDIA runtime and compose.ib.yaml where /dev/infiniband
-exists (and the engine may raise memlock). It never pulls and never builds.
-
-`build` builds FLAVOR=gpu|cpu from the Dockerfile through compose.build.yaml (BuildKit, or BUILDER=legacy),
-on the host network, serving SITE_CA and WHEELS to the build on a loopback address (docker/site.sh).
+it says which it chose and why), then execs `docker compose ... run --rm --pull never -e NAME ... -v SRC:DST
+... SERVICE python -m app COMMAND ARGS`: the settings by name, every path setting mounted at the same path,
+you as the user with a HOME on the host, the GPU and InfiniBand overlays where this node has them. It never
+pulls and never builds. `build` builds FLAVOR=gpu|cpu through compose.build.yaml. docs/containers.md has it all.
 
 Standard library only: it runs on a node's bare python3 before any venv or image exists.
 """
@@ -41,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, say
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_IMAGE = "verl-stack:0.1.0"
@@ -60,20 +50,16 @@ PATH_SETTINGS = {
     "TRAIN_FILE": "in", "VAL_FILE": "in", "MODEL_PATH": "in", "RUN": "in", "MODEL": "in", "GSM8K_SOURCE": "in",
     "RAY_AUTH_TOKEN_PATH": "in",
 }
-# Where a host directory must not go: the image's own system and code.
-IMAGE_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
-              "/usr", "/var", "/opt", "/opt/venv", "/opt/verl-stack", "/home", "/home/stack", "/root", "/run",
-              "/tmp")
+# Where a host directory must not go: the image's own system and code (these trees, and these directories).
 IMAGE_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr",
                "/opt/venv", "/opt/verl-stack")
+IMAGE_DIRS = ("/", "/var", "/opt", "/home", "/home/stack", "/root", "/run", "/tmp")
 
 
 def env(name: str, default: str | None = None) -> str | None:
-    """The docker side's one read of the environment (make's: the command line, the shell, .env); empty
-    counts as unset, as Make exports unset variables empty. Its own settings (RUNTIME, IMAGE, GPU, IB,
-    MOUNTS, STACK_HOME and the build's) are not the app's: they decide where the app runs."""
-    value = shell().get(name)
-    return value if value else default
+    """make's `name` (the command line, the shell, .env); empty counts as unset, as Make exports unset variables
+    empty. The docker side's own settings (RUNTIME, IMAGE, GPU, IB, ...) decide where the app runs."""
+    return shell().get(name) or default
 
 
 def shell() -> dict[str, str]:
@@ -83,8 +69,7 @@ def shell() -> dict[str, str]:
 
 
 def passthrough_names() -> tuple[str, ...]:
-    """The settings handed to the container by name: the registry's (app.settings, the one list), plus the
-    local plan's PASS_NAMES; every variable with a PASS_PREFIXES prefix goes too (passed_env)."""
+    """The settings handed to the container by name: the registry's (the one list) and the local plan's."""
     from app.settings import passthrough_names as registry_names
 
     return tuple(dict.fromkeys((*registry_names(), *(n for n in PASS_NAMES if n not in NOT_PASSED))))
@@ -95,11 +80,6 @@ def passed_env(environ: dict[str, str]) -> list[str]:
     names = set(passthrough_names())
     return sorted(k for k, v in environ.items()
                   if v and k not in NOT_PASSED and (k in names or k.startswith(PASS_PREFIXES)))
-
-
-def say(message: str) -> None:
-    # stdout: which runtime was chosen is information; stderr keeps the one-line error contract
-    print(message, flush=True)
 
 
 # --- the engine ---------------------------------------------------------------------------------------
@@ -147,11 +127,11 @@ def memlock_allowed(image: str) -> str | None:
 
 
 def image_name() -> str:
-    return env("IMAGE", DEFAULT_IMAGE) or DEFAULT_IMAGE
+    return env("IMAGE", DEFAULT_IMAGE)
 
 
 def setting(name: str, default: str) -> str:
-    return (env(name, default) or default).strip().lower()
+    return env(name, default).strip().lower()
 
 
 # --- paths --------------------------------------------------------------------------------------------
@@ -169,14 +149,12 @@ class Mounts:
 
     def host_of(self, path: str) -> str | None:
         """The host path behind container path `path` (deepest mount wins), None for the image's own."""
-        best = None
-        for source, mounted, _ in self.items:
-            if _under(path, mounted) and (best is None or len(mounted) > len(best[1])):
-                best = (source, mounted)
-        if best is None:
+        covering = [(source, mounted) for source, mounted, _ in self.items if _under(path, mounted)]
+        if not covering:
             return None
-        rel = os.path.relpath(path, best[1])
-        return best[0] if rel == "." else os.path.join(best[0], rel)
+        source, mounted = max(covering, key=lambda item: len(item[1]))
+        rel = os.path.relpath(path, mounted)
+        return source if rel == "." else os.path.join(source, rel)
 
     def resolve(self, path: str, depth: int = 0) -> str | None:
         """Where container path `path` leads on the host, following symlinks as the container would (an
@@ -193,13 +171,10 @@ class Mounts:
             current = following
         return self.host_of(current)
 
-    def covers(self, target: str, real: str | None = None) -> bool:
-        """Does container path `target` lead to host path `real` (default: the real path of `target`)?"""
-        host = self.resolve(target)
-        return host is not None and os.path.realpath(host) == (real or os.path.realpath(target))
-
     def add(self, source: str, target: str, mode: str = "rw") -> None:
-        if not self.covers(target, os.path.realpath(source)):
+        """Mount `source` at `target`, unless container path `target` already leads there."""
+        host = self.resolve(target)
+        if host is None or os.path.realpath(host) != os.path.realpath(source):
             self.items.append((source, target, mode))
 
     def add_path(self, real: str, given: str) -> None:
@@ -218,12 +193,9 @@ def mount_dir(name: str, raw: str, cwd: Path) -> tuple[str, str] | None:
     missing output directory as you; a UserError when it cannot be mounted."""
     given = os.path.normpath(os.path.join(cwd, os.path.expanduser(raw)))
     kind = PATH_SETTINGS.get(name, "in")
-    if kind == "in":
-        if not os.path.exists(given):
-            return None  # an input that is not here: the app inside says so, as it would without docker
-        target = given if os.path.isdir(given) else os.path.dirname(given)
-    else:
-        target = given if kind == "dir" else os.path.dirname(given)
+    if kind == "in" and not os.path.exists(given):
+        return None  # an input that is not here: the app inside says so, as it would without docker
+    target = given if kind == "dir" or (kind == "in" and os.path.isdir(given)) else os.path.dirname(given)
     if target in IMAGE_DIRS or any(_under(target, tree) for tree in IMAGE_TREES):
         what = "it" if target == given else f"its directory {target}"
         raise UserError(f"{name}={raw}: {what} cannot be mounted into the container at the same path (part of "
@@ -235,15 +207,6 @@ def mount_dir(name: str, raw: str, cwd: Path) -> tuple[str, str] | None:
             raise UserError(f"{name}={raw}: cannot create {target} ({exc.strerror}): pick a directory you can "
                             "write") from None
     return os.path.realpath(target), target
-
-
-def checkout_mounts() -> Mounts:
-    """What compose.yaml mounts itself: data/ models/ checkpoints/ of the checkout, at the same path."""
-    mounts = Mounts()
-    for sub in ("data", "models", "checkpoints"):
-        path = str(REPO / sub)
-        mounts.add(os.path.realpath(path), path, "compose")
-    return mounts
 
 
 def arg_paths(command: list[str]) -> list[tuple[str, str]]:
@@ -262,7 +225,10 @@ def arg_paths(command: list[str]) -> list[tuple[str, str]]:
 
 
 def path_mounts(environ: dict[str, str], command: list[str], cwd: Path) -> Mounts:
-    mounts = checkout_mounts()
+    mounts = Mounts()
+    for sub in ("data", "models", "checkpoints"):  # compose.yaml mounts these itself, at the same path
+        (REPO / sub).mkdir(exist_ok=True)  # so that Docker does not create them owned by root
+        mounts.add(os.path.realpath(REPO / sub), str(REPO / sub), "compose")
     wanted = [(name, environ[name]) for name in PATH_SETTINGS if environ.get(name)]
     for name, raw in [*wanted, *arg_paths(command)]:
         if name == "GSM8K_SOURCE" and raw == "hf":
@@ -329,10 +295,8 @@ def identity_mounts(mounts: Mounts, service: str) -> dict[str, str]:
     ssh = Path(home) / ".ssh"
     if service == "merger" and ssh.is_dir():
         mounts.add(os.path.realpath(ssh), str(ssh), "ro")
-    # the compile caches too: Triton's kernels and Inductor's graphs (FlexAttention, torch.compile) would
-    # otherwise go to the container's /tmp and be compiled again by every run (the first GRPO step spent
-    # 93 s compiling at the 0.5B shape; a warm cache cut its first old log-prob from 34 s to 16 s:
-    # docs/gpu-runs.md runs 11 and 13)
+    # the compile caches too (Triton, Inductor), else in the container's /tmp and compiled again by every run
+    # (93 s in the first GRPO step at 0.5B; warm, its first old log-prob 16 s not 34: docs/gpu-runs.md 11, 13)
     cache = inside_home / ".cache"
     return {"HOME": str(inside_home), "XDG_CACHE_HOME": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor")}
@@ -359,20 +323,15 @@ def plan(service: str, command: list[str], environ: dict[str, str], cwd: Path) -
     if service not in SERVICES:
         raise UserError(f"unknown service {service!r}: one of {', '.join(SERVICES)}")
     image = image_name()
-    for sub in ("data", "models", "checkpoints"):  # so that Docker does not create them owned by root
-        (REPO / sub).mkdir(exist_ok=True)
     mounts = path_mounts(environ, command, cwd)
     inside = identity_mounts(mounts, service)
     names = passed_env(environ)
     files = compose_files(service, image)
     argv = ["docker", "compose", "--project-directory", str(REPO)]
-    for file in files:
-        argv += ["-f", str(REPO / file)]
+    argv += [arg for file in files for arg in ("-f", str(REPO / file))]
     argv += ["run", "--rm", "--pull", "never"]
-    for name in names:
+    for name in [*names, *(f"{name}={value}" for name, value in inside.items())]:
         argv += ["-e", name]
-    for name, value in inside.items():
-        argv += ["-e", f"{name}={value}"]
     argv += mounts.flags()
     argv += [service, "python", "-m", "app", *command]
     compose_env = {**environ, "UID": str(os.getuid()), "GID": str(os.getgid()), "PWD": str(REPO), "IMAGE": image}
@@ -419,13 +378,11 @@ def run(service: str, command: list[str]) -> int:
     runtime, why = choose_runtime()
     if runtime == "local":
         say(f"runtime: local ({why})")
-        sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-m", "app", *command])
     # relative paths mean what they mean inside: the container's working directory is the checkout
     argv, compose_env = plan(service, command, app_environ(), REPO)
     say(f"runtime: docker ({why})")
     say(f"$ {shlex.join(argv)}")  # -e NAME carries no value: secrets stay out of this line
-    sys.stdout.flush()
     os.chdir(REPO)
     os.execvpe(argv[0], argv, compose_env)
     return 0  # not reached
@@ -452,7 +409,7 @@ def served(files: dict[str, Path]) -> Iterator[str | None]:
     if not files:
         yield None
         return
-    raw = env("BUILD_FILES_PORT", str(BUILD_FILES_PORT)) or ""
+    raw = env("BUILD_FILES_PORT", str(BUILD_FILES_PORT))
     if not raw.isdigit() or not 0 < int(raw) < 65536:
         raise UserError(f"BUILD_FILES_PORT={raw}: a TCP port number (1-65535) free on 127.0.0.1")
     port = int(raw)
@@ -465,8 +422,7 @@ def served(files: dict[str, Path]) -> Iterator[str | None]:
         except OSError as exc:
             raise UserError(f"cannot serve SITE_CA/WHEELS to the build on 127.0.0.1:{port} ({exc.strerror}): "
                             "set BUILD_FILES_PORT to a free port") from None
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             yield f"http://127.0.0.1:{server.server_address[1]}"
         finally:
@@ -523,9 +479,6 @@ def build() -> int:
     return 0
 
 
-USAGE = "usage: python -m app.containers run SERVICE COMMAND [ARGS...] | build"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -536,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] in (["-h"], ["--help"]):
             print(__doc__)
             return 0
-        raise UserError(USAGE)
+        raise UserError("usage: python -m app.containers run SERVICE COMMAND [ARGS...] | build")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -1,15 +1,12 @@
 """`python -m app doctor` (`make doctor`): is this node ready? One screen, one line per check, and for
 every red line what to do. Runs anywhere, GPUs or not; exits non-zero when any line is red.
-
-Checks: GPUs and driver, /dev/shm, memlock, the interface NCCL and Gloo should use (from the route to
-HEAD_IP, or MASTER_ADDR for SFT), the Ray head on RAY_PORT, free disk for checkpoints, the paths the
-config needs (MODEL_PATH, the data files), and the packages (verl, vLLM, swanboard).
 Settings: the same as sft/grpo (JOB=sft|grpo limits the data check to one job).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -19,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app import node
-from app.common import UserError
+from app.common import UserError, existing_parent, human_bytes
 from app.runs import read_model
 from app.settings import REGISTRY, Settings
 
@@ -49,26 +46,22 @@ def check_gpus(settings: Settings) -> list[Check]:
         return [Check("GPUs", "fail", "the NVIDIA driver is loaded but nvidia-smi is missing or failing",
                       "start the container with GPUs (compose `gpus: all`, nvidia-container-toolkit installed); "
                       "after a driver update, reboot")]
-    names = sorted({row["name"] for row in gpus.rows})
-    memory = (gpus.memory_bytes or 0) // GiB
-    checks = [Check("GPUs", "ok", f"{gpus.count} visible of {gpus.present}: {', '.join(names)}, {memory} GiB each")]
     if want and gpus.count < want:
-        checks[0] = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {gpus.count} GPU(s) visible ({gpus.source})",
-                          f"set GPUS_PER_NODE={gpus.count}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
+        visible = Check("GPUs", "fail", f"GPUS_PER_NODE={want} but only {gpus.count} GPU(s) visible ({gpus.source})",
+                        f"set GPUS_PER_NODE={gpus.count}, or fix CUDA_VISIBLE_DEVICES / the container's GPU list")
     elif gpus.count == 0:
-        checks[0] = Check("GPUs", "fail", f"{gpus.present} GPU(s) present but none visible ({gpus.source})",
-                          "unset CUDA_VISIBLE_DEVICES or list the GPUs to use")
-    driver = gpus.rows[0]["driver_version"] if gpus.rows else "?"
-    try:
-        major = int(driver.split(".")[0])
-    except ValueError:
-        major = 0
-    if major < MIN_DRIVER:
-        checks.append(Check("driver", "fail", f"NVIDIA driver {driver}: the image's CUDA 13.0 needs {MIN_DRIVER}+",
-                            f"upgrade the host driver to R{MIN_DRIVER} or newer"))
+        visible = Check("GPUs", "fail", f"{gpus.present} GPU(s) present but none visible ({gpus.source})",
+                        "unset CUDA_VISIBLE_DEVICES or list the GPUs to use")
     else:
-        checks.append(Check("driver", "ok", f"NVIDIA driver {driver} (CUDA 13.0 needs {MIN_DRIVER}+)"))
-    return checks
+        names = ", ".join(sorted({row["name"] for row in gpus.rows}))
+        memory = (gpus.memory_bytes or 0) // GiB
+        visible = Check("GPUs", "ok", f"{gpus.count} visible of {gpus.present}: {names}, {memory} GiB each")
+    driver = gpus.rows[0]["driver_version"] if gpus.rows else "?"
+    major = driver.split(".")[0]
+    if not major.isdigit() or int(major) < MIN_DRIVER:
+        return [visible, Check("driver", "fail", f"NVIDIA driver {driver}: the image's CUDA 13.0 needs {MIN_DRIVER}+",
+                               f"upgrade the host driver to R{MIN_DRIVER} or newer")]
+    return [visible, Check("driver", "ok", f"NVIDIA driver {driver} (CUDA 13.0 needs {MIN_DRIVER}+)")]
 
 
 def check_shm() -> Check:
@@ -88,16 +81,15 @@ def check_shm() -> Check:
 
 def check_memlock() -> Check:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    infiniband = Path("/sys/class/infiniband")
-    has_ib = infiniband.is_dir() and any(infiniband.iterdir())
     if soft == resource.RLIM_INFINITY:
         return Check("memlock", "ok", "unlimited")
     text = f"{soft // 1024} KiB"
-    fix = ("make: compose.ib.yaml (added where /dev/infiniband exists, IB=1 forces it); docker run: --ulimit "
-           "memlock=-1; bare metal: /etc/security/limits.conf")
-    if has_ib:
-        return Check("memlock", "fail", f"{text} with InfiniBand present: NCCL's RDMA cannot pin its buffers", fix)
-    return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")
+    infiniband = Path("/sys/class/infiniband")
+    if not (infiniband.is_dir() and any(infiniband.iterdir())):
+        return Check("memlock", "ok", f"{text} (matters only for InfiniBand/RDMA, none here)")
+    return Check("memlock", "fail", f"{text} with InfiniBand present: NCCL's RDMA cannot pin its buffers",
+                 "make: compose.ib.yaml (added where /dev/infiniband exists, IB=1 forces it); docker run: --ulimit "
+                 "memlock=-1; bare metal: /etc/security/limits.conf")
 
 
 def check_node_rank(settings: Settings) -> Check:
@@ -124,18 +116,15 @@ def check_network(settings: Settings) -> list[Check]:
     except OSError as exc:
         return [Check("network", "fail", f"no route to {what}={target} ({exc.strerror or exc})",
                       f"check {what} (an address every node can reach) and this node's network")]
-    checks = []
     if name is None:
-        checks.append(Check("interface", "warn", f"route to {target} leaves from {source}, on no interface found",
-                            "set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface holding " + source))
-        return checks
-    local = node.is_local_address(target)
+        return [Check("interface", "warn", f"route to {target} leaves from {source}, on no interface found",
+                      "set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the interface holding " + source)]
     if name == "lo" and nnodes != 1:
-        checks.append(Check("interface", "fail", f"{what}={target} is this node's loopback: other nodes "
-                            "cannot reach it", f"set {what} to this node's address on the cluster network"))
+        checks = [Check("interface", "fail", f"{what}={target} is this node's loopback: other nodes cannot reach it",
+                        f"set {what} to this node's address on the cluster network")]
     else:
-        checks.append(Check("interface", "ok", f"route to {what}={target} leaves via {name} ({source})"
-                            + (": this node is the head" if local else "")))
+        checks = [Check("interface", "ok", f"route to {what}={target} leaves via {name} ({source})"
+                        + (": this node is the head" if node.is_local_address(target) else ""))]
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = settings[var]
         if value is None and nnodes == 1:
@@ -188,14 +177,6 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def human_bytes(count: float) -> str:
-    """1.5 GiB, 23.4 MiB, 512 KiB: precise enough at every model size (a tiny test model is MiBs)."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count:.0f} bytes"
-
-
 def human_parameters(count: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= size:
@@ -214,38 +195,33 @@ def model_parameters(model: Path) -> int | None:
             return None
         for name, meta in header.items():
             if name != "__metadata__":
-                count = 1
-                for dim in meta["shape"]:
-                    count *= dim
-                total += count
+                total += math.prod(meta["shape"])
                 found = True
     return total if found else None
 
 
 def check_disk(run: Path, model: Path | None) -> Check:
-    where = run
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = existing_parent(run)
     if not os.access(where, os.W_OK):
         return Check("disk", "fail", f"{where} is not writable: checkpoints and logs of {run} cannot be saved",
                      "fix the mount/permissions, or set CKPT_DIR to a writable path (the same on every node)")
     free = shutil.disk_usage(where).free
+    text = f"{free / GiB:.0f} GiB free at {where}"
+    larger = "free space, or set CKPT_DIR to a larger disk (the same path on every node)"
     params = model_parameters(model) if model and not read_model(model).problems else None
-    if params:
-        # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
-        one = params * 12
-        need = f"one checkpoint of this {human_parameters(params)} model is ~{human_bytes(one)}, 3 are kept"
-        if free < one:
-            return Check("disk", "fail", f"{free / GiB:.0f} GiB free at {where}: {need}",
-                         "free space, or set CKPT_DIR to a larger disk (the same path on every node)")
-        if free < 3 * one:
-            return Check("disk", "warn", f"{free / GiB:.0f} GiB free at {where}: {need}",
-                         "free space or lower trainer.max_actor_ckpt_to_keep / max_ckpt_to_keep via ARGS")
-        return Check("disk", "ok", f"{free / GiB:.0f} GiB free at {where} ({need})")
-    if free < 20 * GiB:
-        return Check("disk", "fail", f"{free / GiB:.1f} GiB free at {where}: too little for checkpoints",
-                     "free space, or set CKPT_DIR to a larger disk (the same path on every node)")
-    return Check("disk", "ok", f"{free / GiB:.0f} GiB free at {where} (set MODEL_PATH for an estimate)")
+    if not params:
+        if free < 20 * GiB:
+            return Check("disk", "fail", f"{free / GiB:.1f} GiB free at {where}: too little for checkpoints", larger)
+        return Check("disk", "ok", f"{text} (set MODEL_PATH for an estimate)")
+    # FSDP checkpoint: fp32 weights + Adam's two fp32 moments = 12 bytes per parameter; 3 are kept
+    one = params * 12
+    need = f"one checkpoint of this {human_parameters(params)} model is ~{human_bytes(one)}, 3 are kept"
+    if free < one:
+        return Check("disk", "fail", f"{text}: {need}", larger)
+    if free < 3 * one:
+        return Check("disk", "warn", f"{text}: {need}",
+                     "free space or lower trainer.max_actor_ckpt_to_keep / max_ckpt_to_keep via ARGS")
+    return Check("disk", "ok", f"{text} ({need})")
 
 
 def check_model(model: Path | None) -> Check:
@@ -276,7 +252,7 @@ def check_data(jobs: list[str], settings: Settings) -> tuple[list[Check], Path, 
     for job in jobs:
         spec = specs.read(job, settings)
         run, model = spec.run_dir, spec.model_path
-        for what, path in [("train", p) for p in spec.files("train")] + [("val", p) for p in spec.files("val")]:
+        for what, path in [(split, p) for split in ("train", "val") for p in spec.files(split)]:
             if path in seen:
                 continue
             seen.add(path)
@@ -327,17 +303,13 @@ def check_packages(gpu: bool) -> list[Check]:
     return checks
 
 
-# The lines of .env.example: what a node's .env is expected to say.
-NODE_SETTINGS = [var.name for var in REGISTRY if var.example is not None]
-
-
 def check_settings(settings: Settings) -> list[Check]:
     """Where this node's settings come from, which of .env.example's are unset (their defaults apply), and a red
     line for each that cannot be read (doctor lists them all, where a command refuses the first)."""
-    bad = [Check("settings", "fail", *value.error.split(": ", 1)) if ": " in value.error else
-           Check("settings", "fail", value.error) for value in settings.values.values() if value.error]
-    sources = [settings.source(name) for name in NODE_SETTINGS]
-    unset = [name for name in NODE_SETTINGS if not settings.is_set(name)]
+    bad = [Check("settings", "fail", *value.error.split(": ", 1)) for value in settings.values.values() if value.error]
+    expected = [var.name for var in REGISTRY if var.example is not None]  # the lines of .env.example
+    sources = [settings.source(name) for name in expected]
+    unset = [name for name in expected if not settings.is_set(name)]
     where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
     detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
               + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
