@@ -14,6 +14,7 @@ appended after smoke's own), DRY_RUN=1 (print the plan and exit; works without a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -33,17 +34,10 @@ _DROPPED = ("DRY_RUN", "TRAIN_FILE", "VAL_FILE", "STEP", "MASTER_ADDR", "MASTER_
 # Small enough for seconds per step on any GPU, big enough that a random tiny model visibly learns.
 # lr 1e-3: the profile's lr suits real models; a random 2-layer model needs a bigger one to move in 12 steps.
 _SFT_OVERRIDES = [
-    "data.train_batch_size=16",
-    "data.micro_batch_size_per_gpu=4",
-    "data.train_max_samples=512",
-    "data.val_max_samples=32",
-    "data.max_length=1024",
-    "data.truncation=right",
-    "data.num_workers=2",
-    "optim.lr=1e-3",
-    "optim.lr_warmup_steps_ratio=0.0",
-    "trainer.logger=[console,file]",
-    "trainer.test_freq=-1",
+    "data.train_batch_size=16", "data.micro_batch_size_per_gpu=4", "data.train_max_samples=512",
+    "data.val_max_samples=32", "data.max_length=1024", "data.truncation=right", "data.num_workers=2",
+    "optim.lr=1e-3", "optim.lr_warmup_steps_ratio=0.0",
+    "trainer.logger=[console,file]", "trainer.test_freq=-1",
 ]
 
 
@@ -60,22 +54,10 @@ class Plan:
     root: Path
     steps: int
     stages: list[Stage]
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def model(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def run(self) -> Path:
-        return self.root / "run"
-
-    @property
-    def merged(self) -> Path:
-        return self.root / "merged"
+    data: Path
+    model: Path
+    run: Path
+    merged: Path
 
 
 def plan(settings: Settings) -> Plan:
@@ -99,7 +81,7 @@ def plan(settings: Settings) -> Plan:
                                         "FORCE": "1"}, "FSDP shards -> Hugging Face model"),
         Stage("generate", [], {}, "load the merged model and generate"),
     ]
-    return Plan(root, steps, stages)
+    return Plan(root, steps, stages, data, model, run, merged)
 
 
 def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
@@ -108,10 +90,8 @@ def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
     out = {k: v for k, v in environ.items() if k not in _DROPPED}
     # Keep the repo importable in the child whatever the cwd (GPU boxes run PYTHONPATH=/some/site).
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), environ.get("PYTHONPATH", "")) if p)
-    if settings["CUDA_VISIBLE_DEVICES"] is not None:
-        out["CUDA_VISIBLE_DEVICES"] = settings["CUDA_VISIBLE_DEVICES"].split(",")[0]
-    else:
-        out["CUDA_VISIBLE_DEVICES"] = "0"  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
+    visible = settings["CUDA_VISIBLE_DEVICES"]  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
+    out["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
     out.update(stage.env)
     return out
 
@@ -161,14 +141,19 @@ def loss_went_down(losses: list[tuple[int, float]]) -> tuple[float, float]:
         raise UserError(f"only {len(losses)} train/loss values logged: smoke needs at least 4 steps to judge "
                         "the loss; look at the SFT output above")
     values = [v for _, v in losses]
-    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
+    if not all(math.isfinite(v) for v in values):
         raise UserError(f"train/loss is not finite ({values}): the SFT diverged; check the model and data")
-    k = max(1, len(values) // 4)
-    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    first, last = quarter_means(values)
     if not last < first * 0.98:
         raise UserError(f"train/loss did not go down (first steps {first:.4f}, last steps {last:.4f}): "
                         "training is not learning; check optim.lr and the data in the SFT output above")
     return first, last
+
+
+def quarter_means(values: list[float]) -> tuple[float, float]:
+    """The mean of the first and of the last quarter of `values` (smoke's loss, the demo's reward)."""
+    k = max(1, len(values) // 4)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def check_checkpoint(run: Path, step: int) -> Path:
