@@ -76,7 +76,8 @@ def tracking_overrides(tracking: dict[str, str]) -> list[str]:
     """Hydra overrides (++: add or replace) that put `tracking` into the Ray job's runtime_env: Ray actors see
     the environment of `ray start`, fixed when the node joined, but runtime_env is per submission, so this
     attempt's settings reach the actors that create verl's loggers, on whichever node they land."""
-    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}" for key, value in tracking.items()]
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}"
+            for key, value in tracking.items()]
 
 
 # --- reading a run's JSONL ------------------------------------------------------------------------
@@ -114,9 +115,7 @@ class RunLog:
         or None where every value is finite."""
         xs, ys = self.series(key)
         bad = [i for i, y in enumerate(ys) if not math.isfinite(y)]
-        if not bad:
-            return None
-        return xs[bad[0]], len(bad), len(bad) == len(ys) - bad[0]
+        return (xs[bad[0]], len(bad), len(bad) == len(ys) - bad[0]) if bad else None
 
     def keys(self) -> set[str]:
         return {k for metrics in self.steps.values() for k in metrics}
@@ -167,12 +166,9 @@ def read_attempt(path: Path) -> Attempt:
 
 
 def read_run(run: Path, files: list[Path] | None = None) -> RunLog:
-    """All attempts of a run merged in time order.
-
-    A later attempt resumed from a checkpoint at some step: it re-runs every step after it, so the
-    earlier attempts' steps past the later one's first step belong to an abandoned trajectory and are
-    dropped; at that first step the later values win key by key.
-    """
+    """All attempts of a run merged in time order. A later attempt resumed from a checkpoint re-runs every step
+    after it: the earlier attempts' steps past its first step belong to an abandoned trajectory and are dropped;
+    at that first step the later values win key by key."""
     from tqdm import tqdm
 
     files = log_files(run) if files is None else files
@@ -356,7 +352,7 @@ def report(run: Path) -> Path:
     with atomic_path(out, "RUN") as tmp:
         tmp.mkdir()
         plots = render(log, tmp)
-        startup, text = timeline.draw(run, tmp) if run.is_dir() else ([], "")
+        startup, text = timeline.draw(run, tmp)  # ([], "") for a JSONL file
         (tmp / "summary.txt").write_text(summary_text(log, plots + startup) + (f"\n{text}\n" if text else ""),
                                          encoding="utf-8")
     if log.bad_lines:
