@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app import node
 from app.common import REPO_ROOT, UserError, atomic_path, say
 from app.runs import LATEST_FILE, latest_step, logs_dir, step_dir
 from app.settings import Settings
@@ -110,9 +111,7 @@ def print_plan(p: Plan) -> None:
 
 
 def gpu_count(settings: Settings) -> int:
-    from app.node import gpus
-
-    return gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0
+    return node.gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0
 
 
 # --- checks (pure functions over real files, tested on CPU) -------------------------------------------
