@@ -241,8 +241,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if settings["DRY_RUN"]:
         print_plan(p)
         return 0
-    gpus = gpu_count(settings)
-    if gpus == 0:
+    if gpu_count(settings) == 0:
         raise UserError("smoke needs a GPU: no CUDA device is visible here; run `make smoke` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")
 
