@@ -35,62 +35,45 @@ from pathlib import Path
 from app import node, runs, timeline
 from app.common import UserError, atomic_path, say
 from app.settings import Settings
-from app.smoke import Stage, child_env, gpu_count, read_losses, run_stage, stage_failed
+from app.smoke import Stage, child_env, gpu_count, quarter_means, read_losses, run_stage, stage_failed
+from app.tracking import read_run
 
-# SFT of a random 2-layer model on the arith task: a big constant lr (random weights, not a pretrained
-# model), short sequences. Measured on 1xH200 (docs/gpu-runs.md): held-out accuracy 79.5% after 300 steps
-# (run 14, sdpa; 80.4% with eager in runs 17 and 18, 70.6% with sdpa and another sampler seed: run 17). The
-# demo stops there on purpose (A0 below 100%), so that GRPO has room to show what it adds (A1 94.0% in run 18).
-# Eager attention and no Liger for a 2-layer model: eager trained as sdpa did (val/loss 0.110 against 0.111)
-# in 45 s instead of 72 (run 17), and FlexAttention's and Liger's kernels compile on first use (37 s for the
-# first SFT step in run 5, 34 s for the first GRPO old log-prob in run 11), more than they save on a model this
-# small. Eager keeps packed samples apart (scripts/packing_check.py).
+# SFT of a random 2-layer model on arith: a big constant lr (random weights), short sequences. 300 steps reach
+# A0 of 70-80% on 1xH200 (docs/gpu-runs.md runs 14, 17, 18): below 100% on purpose, so that GRPO has room to
+# show what it adds (A1 94.0%, run 18). Eager, no Liger: eager trained as sdpa did in 45 s instead of 72 (run 17),
+# Flex's and Liger's kernels compile on first use for longer than they save here (runs 5, 11); eager keeps packed
+# samples apart (scripts/packing_check.py).
 SFT_ARGS = [
-    "model.override_config.attn_implementation=eager",
-    "model.use_liger=False",
-    "data.train_batch_size=64",
-    "data.micro_batch_size_per_gpu=64",
-    "data.max_length=128",
-    "data.num_workers=2",
-    "optim.lr=1e-3",
-    "optim.lr_warmup_steps_ratio=0.0",
-    "optim.lr_scheduler_type=constant",
-    "trainer.logger=[console,file]",
-    "trainer.test_freq=-1",
+    "model.override_config.attn_implementation=eager", "model.use_liger=False",
+    "data.train_batch_size=64", "data.micro_batch_size_per_gpu=64", "data.max_length=128", "data.num_workers=2",
+    "optim.lr=1e-3", "optim.lr_warmup_steps_ratio=0.0", "optim.lr_scheduler_type=constant",
+    "trainer.logger=[console,file]", "trainer.test_freq=-1",
 ]
 
-# GRPO from the SFT model: 64 prompts x 8 samples a step (a step's rollout time follows its sample count:
-# 8 s for 1,024 on 1xH200, docs/gpu-runs.md run 9), two updates per step, an lr for a tiny model, short
-# responses (`#### <sum>` is a few tokens), prompts of 48-50 tokens with the tiny tokenizer (preflight counts
-# them and so turns verl's length filter off), and vLLM in eager mode (its compile and CUDA-graph capture cost
-# minutes that a tiny model never recovers). verl's 8 agent-loop and 8 reward workers: with 2 + 2 the first
-# step took 42 s instead of 44, and steps 2-14 12.1 s on average instead of 8.9 (generation 4.2-6.3 s against
-# 2.2: docs/gpu-runs.md run 20). And verl's replay buffer polled every 0.1 s instead of 2 (app/replay.py):
-# generation 1.7 s a step instead of 2.2, steps 7.8 s instead of 8.9 (run 21).
+# GRPO from the SFT model, on 1xH200 (docs/gpu-runs.md): 64 prompts x 8 samples a step (rollout time follows
+# the sample count: 8 s for 1,024, run 9), two updates a step, short responses (`#### <sum>`), prompts of 48-50
+# tokens (preflight counts them, so verl's length filter is off), vLLM eager (compile and CUDA graphs cost minutes
+# a tiny model never recovers). verl's 8 + 8 agent-loop and reward workers: 2 + 2 made steps 12.1 s instead of
+# 8.9 (run 20). The replay buffer polls every 0.1 s instead of 2 (app/replay.py): steps 7.8 s, not 8.9 (run 21).
 GRPO_BATCH = 64
 GRPO_ARGS = [
     "actor_rollout_ref.model.override_config.attn_implementation=eager",
-    f"data.train_batch_size={GRPO_BATCH}",
-    "data.max_prompt_length=64",
-    "data.max_response_length=16",
+    f"data.train_batch_size={GRPO_BATCH}", "data.max_prompt_length=64", "data.max_response_length=16",
     "data.val_max_samples=64",
-    "actor_rollout_ref.rollout.n=8",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=32",
-    "actor_rollout_ref.actor.optim.lr=1e-4",
-    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+    "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+    "actor_rollout_ref.actor.optim.lr=1e-4", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.rollout.enforce_eager=True",
-    "trainer.test_freq=-1",
-    "trainer.logger=[console,file]",
+    "trainer.test_freq=-1", "trainer.logger=[console,file]",
     "trainer.v1.sampler.custom_sampler.path=pkg://app.replay",
     "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
     "+trainer.v1.sampler.sampler_kwargs.poll_interval=0.1",
     f"+trainer.v1.sampler.sampler_kwargs.train_batch_size={GRPO_BATCH}",
 ]
 
+# A checkpoint every 10 steps (and at the last), so that a cut-short GRPO stage resumes instead of restarting.
 GRPO_SAVE_EVERY = 10
-# Stages that a rerun continues from their last checkpoint where an earlier demo started them with the same
-# settings (GRPO: ~4 minutes of start-up, then 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others
-# are minutes.
+# Stages a rerun with the same settings continues from their last checkpoint (GRPO: ~4 minutes of start-up, then
+# 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others take minutes.
 RESUMABLE = ("grpo",)
 
 # A0's eval needs only the SFT model, as GRPO does, so it runs beside GRPO's start-up: its ~20 s on the GPU
@@ -113,11 +96,10 @@ def plan(settings: Settings) -> tuple[Path, list[Stage]]:
     app = [sys.executable, "-m", "app"]
     one_gpu = {"NNODES": "1", "NODE_RANK": "0", "GPUS_PER_NODE": "1", "FRESH": "1"}
     sft_args = SFT_ARGS + [f"trainer.total_training_steps={sft_steps}", f"trainer.save_freq={sft_steps}"]
-    # a checkpoint every 10 steps (and at the last), so that a cut-short GRPO stage resumes instead of restarting
     grpo_args = GRPO_ARGS + [f"trainer.total_training_steps={grpo_steps}",
                              f"trainer.save_freq={min(GRPO_SAVE_EVERY, grpo_steps)}"]
     test = str(data / "arith" / "test.parquet")
-    stages = [
+    return root, [
         Stage("prep", app + ["prep", "arith"], {"DATA_DIR": str(data)}, "the arith task -> verl parquet"),
         Stage("tiny-model", app + ["tiny-model", str(model), "--force"], {}, "random tiny Qwen2 + tokenizer"),
         Stage("sft", app + ["sft"], {**one_gpu, "MODEL_PATH": str(model), "CKPT_DIR": str(root / "sft"),
@@ -138,15 +120,12 @@ def plan(settings: Settings) -> tuple[Path, list[Stage]]:
                                                             "OUT": str(root / "eval-grpo")}, "accuracy A1"),
         Stage("report", app + ["report", str(root / "grpo")], {}, "plots of the GRPO run"),
     ]
-    return root, stages
 
 
 # --- verdicts (pure functions over real files, tested on CPU) -------------------------------------------
 
 def read_rewards(run: Path) -> list[tuple[int, float]]:
     """(step, mean reward) of a GRPO run from verl's JSONL metrics (`critic/score/mean`)."""
-    from app.tracking import read_run
-
     steps, values = read_run(run).series("critic/score/mean")
     if not steps:
         raise UserError(f"no critic/score/mean in {run / 'logs'}: the GRPO run logged no reward; "
@@ -158,9 +137,7 @@ def reward_rose(rewards: list[tuple[int, float]]) -> tuple[float, float]:
     """Mean reward of the first and the last quarter of the steps; raises unless the last is higher."""
     if len(rewards) < 4:
         raise UserError(f"only {len(rewards)} GRPO steps logged a reward: the demo needs at least 4")
-    values = [v for _, v in rewards]
-    k = max(1, len(values) // 4)
-    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    first, last = quarter_means([v for _, v in rewards])
     if not last > first:
         raise UserError(f"the GRPO reward did not rise (first steps {first:.3f}, last steps {last:.3f}): "
                         "look at its output above (lr, rollout.n) or rerun with more DEMO_GRPO_STEPS")
@@ -193,6 +170,19 @@ def accuracy_improved(a0: float, a1: float, n: int) -> float:
     return margin
 
 
+def read_summary(out: Path) -> dict:
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{out}/summary.json is missing or unreadable: the eval stage wrote no result") from None
+
+
+# --- stages: done markers, resuming, the eval beside GRPO ---------------------------------------------
+
+def _record(stage: Stage) -> dict:
+    return {"argv": stage.argv[1:], "env": stage.env}
+
+
 def _finished(marker: Path, record: dict) -> bool:
     """Whether a stage already ran to the end with these exact settings (a rerun resumes after it: the demo
     can be split over several sessions of a borrowed GPU)."""
@@ -203,6 +193,35 @@ def _finished(marker: Path, record: dict) -> bool:
     return {k: earlier.get(k) for k in record} == record
 
 
+def _mark_done(done: Path, stage: Stage, seconds: float, resumed: bool) -> None:
+    with atomic_path(done / f"{stage.name}.json") as tmp:
+        tmp.write_text(json.dumps({**_record(stage), "seconds": seconds, "resumed": resumed}) + "\n")
+
+
+def _run(stage: Stage, done: Path, settings: Settings) -> None:
+    """Run a stage and mark it done; a RESUMABLE one that an earlier demo started with the same settings goes
+    on from its last checkpoint."""
+    started = done / f"{stage.name}.started.json"
+    t = time.monotonic()
+    resumed = stage.name in RESUMABLE and _finished(started, _record(stage))
+    if not resumed:
+        if stage.name in RESUMABLE:
+            with atomic_path(started) as tmp:
+                tmp.write_text(json.dumps(_record(stage)) + "\n")
+        run_stage(stage, settings, "demo")
+    elif runs.latest_step(Path(stage.env["CKPT_DIR"])) == (last := settings["DEMO_GRPO_STEPS"]):
+        # cut short after its last checkpoint (while Ray stopped): a rerun of verl would spend its ~4 minutes
+        # of start-up to find nothing left to train (docs/gpu-runs.md run 14)
+        say(f"=== {stage.name}: the run an earlier demo started saved its last step ({last}) "
+            "before it was cut short; not started again")
+    else:  # the same GRPO run was cut short: verl resumes from its last checkpoint (GRPO_SAVE_EVERY)
+        say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
+        run_stage(dataclasses.replace(stage, env={**stage.env, "FRESH": "0"}), settings, "demo")
+    seconds = round(time.monotonic() - t, 1)
+    _mark_done(done, stage, seconds, resumed)
+    say(f"=== {stage.name} took {seconds:.0f}s")
+
+
 def gpu_shared() -> tuple[bool, str]:
     """Whether two processes can use this node's GPUs at once, and why not: a GPU in exclusive compute mode
     (some clusters set it) refuses a second CUDA context. Where nvidia-smi cannot tell, the answer is no."""
@@ -211,51 +230,6 @@ def gpu_shared() -> tuple[bool, str]:
         return False, "nvidia-smi (missing or failing here) did not give the GPU's compute mode"
     other = sorted({m for m in modes if m != "Default"})
     return (False, f"the GPU's compute mode is {', '.join(other)}") if other else (True, "")
-
-
-class Beside:
-    """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
-    with verl's it would be unreadable."""
-
-    def __init__(self, stage: Stage, settings: Settings, log: Path):
-        self.stage, self.log = stage, log
-        self.started = time.monotonic()
-        self.ended = self.started
-        self.waited = False  # wait() has reported its outcome (passed or raised)
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        # its own time, not the time until the stage beside it is over and wait() is called
-        self.watcher = threading.Thread(target=self._watch, daemon=True)
-        self.watcher.start()
-
-    def _watch(self) -> None:
-        self.process.wait()
-        self.ended = time.monotonic()
-
-    def wait(self) -> float:
-        """Its seconds; raises the stage's one-line failure unless it exited 0."""
-        while self.watcher.is_alive():  # short joins: a signal (SIGTERM -> Terminated) still gets through
-            self.watcher.join(0.2)
-        self.waited = True
-        seconds = round(self.ended - self.started, 1)  # set by the watcher, which has ended
-        if self.process.returncode != 0:
-            raise stage_failed(self.stage, "demo", self.process.returncode, seconds, output=str(self.log))
-        return seconds
-
-    def stop(self) -> None:
-        """SIGTERM, on which every app command removes its temporaries, then SIGKILL; nothing if it ended."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def last_line(self) -> str:
-        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
-        return lines[-1] if lines else "(no output)"
 
 
 def _beside_next(stages: list[Stage], i: int, settings: Settings) -> Stage | None:
@@ -273,132 +247,123 @@ def _beside_allowed(stage: Stage, after: Stage) -> bool:
     return shared
 
 
-def _record(stage: Stage) -> dict:
-    return {"argv": stage.argv[1:], "env": stage.env}
+class Beside:
+    """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
+    with verl's it would be unreadable."""
 
+    def __init__(self, stage: Stage, settings: Settings, log: Path):
+        self.stage, self.log = stage, log
+        self.started = self.ended = time.monotonic()
+        self.waited = False  # wait() has reported its outcome (passed or raised)
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        # its own time, not the time until the stage beside it is over and wait() is called
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
 
-def _mark_done(marker: Path, stage: Stage, seconds: float, resumed: bool) -> None:
-    with atomic_path(marker) as tmp:
-        tmp.write_text(json.dumps({**_record(stage), "seconds": seconds, "resumed": resumed}) + "\n")
+    def _watch(self) -> None:
+        self.process.wait()
+        self.ended = time.monotonic()
 
+    def wait(self, done: Path) -> float:
+        """Mark it done and return its seconds; raises the stage's one-line failure unless it exited 0."""
+        while self.watcher.is_alive():  # short joins: a signal (SIGTERM -> Terminated) still gets through
+            self.watcher.join(0.2)
+        self.waited = True
+        seconds = round(self.ended - self.started, 1)  # set by the watcher, which has ended
+        if self.process.returncode != 0:
+            raise stage_failed(self.stage, "demo", self.process.returncode, seconds, output=str(self.log))
+        _mark_done(done, self.stage, seconds, False)
+        return seconds
 
-def read_summary(out: Path) -> dict:
-    try:
-        return json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{out}/summary.json is missing or unreadable: the eval stage wrote no result") from None
+    def stop(self) -> None:
+        """SIGTERM, on which every app command removes its temporaries, then SIGKILL; nothing if it ended."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def last_line(self) -> str:
+        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "(no output)"
 
 
 # --- the command ------------------------------------------------------------------------------------
 
-def main(command: str, argv: list[str], settings: Settings) -> int:
-    began = time.monotonic()  # this run's wall time (the interpreter's and make's start-up not in it)
-    if argv and argv[0] in ("-h", "--help"):
-        say(__doc__)
-        return 0
-    if argv:
-        raise UserError(f"demo takes no arguments (got {' '.join(argv)}): use DEMO_DIR, DEMO_SFT_STEPS, "
-                        "DEMO_GRPO_STEPS, DEMO_UNTIL")
-    root, stages = plan(settings)
-    if settings["DRY_RUN"]:
-        say(f"demo plan (everything under {root}):")
-        for i, stage in enumerate(stages, 1):
-            shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
-            after = _beside_next(stages, i, settings)
-            beside_note = f" (beside {after.name}, where the GPU allows two processes)" if after else ""
-            say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
-            say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
-        if settings["DEMO_UNTIL"]:
-            say(f"  (DEMO_UNTIL={settings['DEMO_UNTIL']}: stops after that stage; a rerun goes on from there)")
-        say(f"  then check: GRPO reward mean rises; A1 > A0 by more than {Z:g} standard errors on the "
-            f">= {MIN_TEST_ITEMS} test items")
-        return 0
-    if gpu_count(settings) == 0:
-        raise UserError("demo needs a GPU: no CUDA device is visible here; run `make demo` on a GPU node "
-                        "(DRY_RUN=1 prints the plan anywhere)")
+def _print_plan(root: Path, stages: list[Stage], settings: Settings) -> None:
+    say(f"demo plan (everything under {root}):")
+    for i, stage in enumerate(stages, 1):
+        shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
+        after = _beside_next(stages, i, settings)
+        beside_note = f" (beside {after.name}, where the GPU allows two processes)" if after else ""
+        say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
+        say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
+    if settings["DEMO_UNTIL"]:
+        say(f"  (DEMO_UNTIL={settings['DEMO_UNTIL']}: stops after that stage; a rerun goes on from there)")
+    say(f"  then check: GRPO reward mean rises; A1 > A0 by more than {Z:g} standard errors on the "
+        f">= {MIN_TEST_ITEMS} test items")
 
-    root.mkdir(parents=True, exist_ok=True)
+
+def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: float) -> list[str] | None:
+    """Run every stage not done yet with the same settings; returns those an earlier demo did, or None where
+    DEMO_UNTIL stopped this run."""
     done = root / "stages"
-    if settings["FRESH"] and done.is_dir():
-        for marker in done.glob("*.json"):
-            marker.unlink()
-    seconds: dict[str, float] = {}
-    skipped: list[str] = []  # stages an earlier demo finished
-    resumed: list[str] = []  # stages whose cut-short earlier attempts are not in `seconds`
+    skipped: list[str] = []
     beside: Beside | None = None
     try:
         for i, stage in enumerate(stages, 1):
             say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
-            marker = done / f"{stage.name}.json"
-            record = _record(stage)
             after = _beside_next(stages, i, settings)
-            if _finished(marker, record):
-                earlier = json.loads(marker.read_text())
-                seconds[stage.name] = earlier["seconds"]
+            if _finished(done / f"{stage.name}.json", _record(stage)):
                 skipped.append(stage.name)
-                if earlier.get("resumed"):
-                    resumed.append(stage.name)
                 say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
             elif (after is not None and not _finished(done / f"{after.name}.json", _record(after))
                   and _beside_allowed(stage, after)):
-                log = root / f"{stage.name}.log"
-                beside = Beside(stage, settings, log)
-                say(f"=== {stage.name}: runs beside {after.name}; its output goes to {log}")
+                beside = Beside(stage, settings, root / f"{stage.name}.log")
+                say(f"=== {stage.name}: runs beside {after.name}; its output goes to {beside.log}")
                 continue
             else:
-                started = done / f"{stage.name}.started.json"
-                t = time.monotonic()
-                if stage.name in RESUMABLE and _finished(started, record):
-                    resumed.append(stage.name)
-                    last = settings["DEMO_GRPO_STEPS"]
-                    if runs.latest_step(Path(stage.env["CKPT_DIR"])) == last:
-                        # cut short after its last checkpoint (while Ray stopped): a rerun of verl would spend
-                        # its ~4 minutes of start-up to find nothing left to train (docs/gpu-runs.md run 14)
-                        say(f"=== {stage.name}: the run an earlier demo started saved its last step ({last}) "
-                            "before it was cut short; not started again")
-                    else:
-                        # the same GRPO run was cut short: verl resumes from its last checkpoint (save_freq below)
-                        say(f"=== {stage.name}: resuming the run an earlier demo started with the same settings")
-                        run_stage(dataclasses.replace(stage, env={**stage.env, "FRESH": "0"}), settings, "demo")
-                else:
-                    if stage.name in RESUMABLE:
-                        with atomic_path(started) as tmp:
-                            tmp.write_text(json.dumps(record) + "\n")
-                    run_stage(stage, settings, "demo")
-                seconds[stage.name] = round(time.monotonic() - t, 1)
-                _mark_done(marker, stage, seconds[stage.name], stage.name in resumed)
-                say(f"=== {stage.name} took {seconds[stage.name]:.0f}s")
+                _run(stage, done, settings)
             if beside is not None:  # the stage it ran beside is over
-                name = beside.stage.name
-                seconds[name] = beside.wait()
-                _mark_done(done / f"{name}.json", beside.stage, seconds[name], False)
-                say(f"=== {name} (beside {stage.name}) took {seconds[name]:.0f}s: {beside.last_line()}")
+                took = beside.wait(done)
+                say(f"=== {beside.stage.name} (beside {stage.name}) took {took:.0f}s: {beside.last_line()}")
                 beside = None
             if stage.name == settings["DEMO_UNTIL"]:
+                so_far = sum(json.loads((done / f"{s.name}.json").read_text())["seconds"] for s in stages[:i])
                 say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
-                    f"goes on from here ({time.monotonic() - began:.0f}s in this run, "
-                    f"{sum(seconds.values()):.0f}s of stages so far)")
-                return 0
+                    f"goes on from here ({time.monotonic() - began:.0f}s in this run, {so_far:.0f}s of stages so far)")
+                return None
     except UserError as failed:
         if beside is not None and not beside.waited:
             # the stage it ran beside failed: keep its own result if it ends well, so that a rerun skips it
             say(f"=== waiting for {beside.stage.name} (its output in {beside.log}) before stopping")
             try:
-                _mark_done(done / f"{beside.stage.name}.json", beside.stage, beside.wait(), False)
+                beside.wait(done)
             except UserError as also:
                 raise UserError(f"{failed}; and {also}") from None
         raise
     finally:  # any other way out (Ctrl-C, SIGTERM as app.common.Terminated, a crash): no orphan left running
         if beside is not None:
             beside.stop()
-    wall = round(time.monotonic() - began, 1)
-    seconds = {stage.name: seconds[stage.name] for stage in stages}
+    return skipped
+
+
+def _verdict(root: Path, stages: list[Stage], skipped: list[str], wall: float) -> None:
+    """Judge the files the stages left (over earlier demo runs too), write demo.json and say the verdict."""
+    marks = {s.name: json.loads((root / "stages" / f"{s.name}.json").read_text()) for s in stages}
+    seconds = {name: mark["seconds"] for name, mark in marks.items()}
+    resumed = [name for name, mark in marks.items() if mark.get("resumed")]  # cut-short attempts not in seconds
     losses = read_losses(root / "sft")
     rewards = read_rewards(root / "grpo")
     first, last = reward_rose(rewards)
     sft, grpo = read_summary(root / "eval-sft"), read_summary(root / "eval-grpo")
     a0, a1, n = sft["accuracy"], grpo["accuracy"], scored_items(sft, grpo)
     margin = accuracy_improved(a0, a1, n)
+    startup = root / "grpo" / "logs" / "timeline-head.jsonl"
     figures = {
         "passed": True, "a0": a0, "a1": a1, "test_items": n, "margin": margin, "z": Z,
         "sft_loss_first": losses[0][1], "sft_loss_last": losses[-1][1],
@@ -406,12 +371,11 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over earlier demo runs too
         "wall_seconds": wall, "skipped": skipped, "resumed": resumed,  # this run's, and what it went on from
         "report": str(root / "grpo" / "report"),
-        "grpo_startup": dict(timeline.read(root / "grpo" / "logs" / "timeline-head.jsonl")),
+        "grpo_startup": dict(timeline.read(startup)),
     }
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
-    startup = root / "grpo" / "logs" / "timeline-head.jsonl"
     if startup.is_file():  # where GRPO's first minutes went (app.timeline; the stage's own output printed it too)
         say(timeline.summary(startup).replace("start-up on this node", "GRPO's start-up"))
     earlier = []
@@ -423,4 +387,28 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     say(f"demo passed in {wall:.0f}s{earlier_note}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
         f"A1 = {a1:.1%} on {n} unseen test items (+{a1 - a0:.1%}, above the noise margin {margin:.1%} = "
         f"{Z:g} standard errors); plots in {root / 'grpo' / 'report'}, figures in {root / 'demo.json'}")
+
+
+def main(command: str, argv: list[str], settings: Settings) -> int:
+    began = time.monotonic()  # this run's wall time (the interpreter's and make's start-up not in it)
+    if argv and argv[0] in ("-h", "--help"):
+        say(__doc__)
+        return 0
+    if argv:
+        raise UserError(f"demo takes no arguments (got {' '.join(argv)}): use DEMO_DIR, DEMO_SFT_STEPS, "
+                        "DEMO_GRPO_STEPS, DEMO_UNTIL")
+    root, stages = plan(settings)
+    if settings["DRY_RUN"]:
+        _print_plan(root, stages, settings)
+        return 0
+    if gpu_count(settings) == 0:
+        raise UserError("demo needs a GPU: no CUDA device is visible here; run `make demo` on a GPU node "
+                        "(DRY_RUN=1 prints the plan anywhere)")
+    root.mkdir(parents=True, exist_ok=True)
+    if settings["FRESH"] and (root / "stages").is_dir():
+        for marker in (root / "stages").glob("*.json"):
+            marker.unlink()
+    skipped = _run_stages(root, stages, settings, began)
+    if skipped is not None:  # not stopped at DEMO_UNTIL
+        _verdict(root, stages, skipped, round(time.monotonic() - began, 1))
     return 0

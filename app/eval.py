@@ -22,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+from app import node
 from app.common import ArgParser, UserError, atomic_path, directory_problem, file_problem, resolved, say, warn
 from app.runs import merged_model_for_step, read_model, step_arg
 from app.settings import Settings, setting_type
@@ -234,11 +235,9 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     problem = directory_problem(out)
     if problem:  # before the model loads and generates for minutes
         raise UserError(f"the eval output {out} {problem}: set OUT to a directory you can write")
-    from app.node import gpus
-
     summary = evaluate(model, resolved(data, "EVAL_FILE" if args.data else "DATA_DIR"), out, args.limit,
                        args.backend, args.batch, args.max_new_tokens,
-                       gpus=gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0, tp=settings["EVAL_TP"])
+                       gpus=node.gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0, tp=settings["EVAL_TP"])
     task = "GSM8K" if data.parent.name == "gsm8k" else data.parent.name  # prep writes <task>/test.parquet
     say(f"{task} accuracy {summary['accuracy']:.2%} ({summary['correct']}/{summary['rows']}, "
         f"{summary['formatted']:.0%} gave a '#### n' answer) with {summary['backend']}; "

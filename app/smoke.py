@@ -14,6 +14,7 @@ appended after smoke's own), DRY_RUN=1 (print the plan and exit; works without a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app import node
 from app.common import REPO_ROOT, UserError, atomic_path, say
 from app.runs import LATEST_FILE, latest_step, logs_dir, step_dir
 from app.settings import Settings
@@ -33,17 +35,10 @@ _DROPPED = ("DRY_RUN", "TRAIN_FILE", "VAL_FILE", "STEP", "MASTER_ADDR", "MASTER_
 # Small enough for seconds per step on any GPU, big enough that a random tiny model visibly learns.
 # lr 1e-3: the profile's lr suits real models; a random 2-layer model needs a bigger one to move in 12 steps.
 _SFT_OVERRIDES = [
-    "data.train_batch_size=16",
-    "data.micro_batch_size_per_gpu=4",
-    "data.train_max_samples=512",
-    "data.val_max_samples=32",
-    "data.max_length=1024",
-    "data.truncation=right",
-    "data.num_workers=2",
-    "optim.lr=1e-3",
-    "optim.lr_warmup_steps_ratio=0.0",
-    "trainer.logger=[console,file]",
-    "trainer.test_freq=-1",
+    "data.train_batch_size=16", "data.micro_batch_size_per_gpu=4", "data.train_max_samples=512",
+    "data.val_max_samples=32", "data.max_length=1024", "data.truncation=right", "data.num_workers=2",
+    "optim.lr=1e-3", "optim.lr_warmup_steps_ratio=0.0",
+    "trainer.logger=[console,file]", "trainer.test_freq=-1",
 ]
 
 
@@ -60,22 +55,10 @@ class Plan:
     root: Path
     steps: int
     stages: list[Stage]
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def model(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def run(self) -> Path:
-        return self.root / "run"
-
-    @property
-    def merged(self) -> Path:
-        return self.root / "merged"
+    data: Path
+    model: Path
+    run: Path
+    merged: Path
 
 
 def plan(settings: Settings) -> Plan:
@@ -99,7 +82,7 @@ def plan(settings: Settings) -> Plan:
                                         "FORCE": "1"}, "FSDP shards -> Hugging Face model"),
         Stage("generate", [], {}, "load the merged model and generate"),
     ]
-    return Plan(root, steps, stages)
+    return Plan(root, steps, stages, data, model, run, merged)
 
 
 def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
@@ -108,10 +91,8 @@ def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
     out = {k: v for k, v in environ.items() if k not in _DROPPED}
     # Keep the repo importable in the child whatever the cwd (GPU boxes run PYTHONPATH=/some/site).
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), environ.get("PYTHONPATH", "")) if p)
-    if settings["CUDA_VISIBLE_DEVICES"] is not None:
-        out["CUDA_VISIBLE_DEVICES"] = settings["CUDA_VISIBLE_DEVICES"].split(",")[0]
-    else:
-        out["CUDA_VISIBLE_DEVICES"] = "0"  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
+    visible = settings["CUDA_VISIBLE_DEVICES"]  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
+    out["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
     out.update(stage.env)
     return out
 
@@ -130,9 +111,7 @@ def print_plan(p: Plan) -> None:
 
 
 def gpu_count(settings: Settings) -> int:
-    from app.node import gpus
-
-    return gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0
+    return node.gpus(settings["CUDA_VISIBLE_DEVICES"]).count or 0
 
 
 # --- checks (pure functions over real files, tested on CPU) -------------------------------------------
@@ -161,14 +140,19 @@ def loss_went_down(losses: list[tuple[int, float]]) -> tuple[float, float]:
         raise UserError(f"only {len(losses)} train/loss values logged: smoke needs at least 4 steps to judge "
                         "the loss; look at the SFT output above")
     values = [v for _, v in losses]
-    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
+    if not all(math.isfinite(v) for v in values):
         raise UserError(f"train/loss is not finite ({values}): the SFT diverged; check the model and data")
-    k = max(1, len(values) // 4)
-    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    first, last = quarter_means(values)
     if not last < first * 0.98:
         raise UserError(f"train/loss did not go down (first steps {first:.4f}, last steps {last:.4f}): "
                         "training is not learning; check optim.lr and the data in the SFT output above")
     return first, last
+
+
+def quarter_means(values: list[float]) -> tuple[float, float]:
+    """The mean of the first and of the last quarter of `values` (smoke's loss, the demo's reward)."""
+    k = max(1, len(values) // 4)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def check_checkpoint(run: Path, step: int) -> Path:
@@ -257,8 +241,7 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     if settings["DRY_RUN"]:
         print_plan(p)
         return 0
-    gpus = gpu_count(settings)
-    if gpus == 0:
+    if gpu_count(settings) == 0:
         raise UserError("smoke needs a GPU: no CUDA device is visible here; run `make smoke` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")
 

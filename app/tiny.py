@@ -75,8 +75,7 @@ def build_model(preset: str = "tiny", vocab_size: int | None = None, seed: int =
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    shape = dict(PRESETS[preset])
-    shape.update(overrides)
+    shape = {**PRESETS[preset], **overrides}
     if vocab_size is not None and "vocab_size" not in PRESETS[preset]:
         shape["vocab_size"] = vocab_size
     config = Qwen2Config(max_position_embeddings=4096, rope_theta=10000.0, **shape)
@@ -96,10 +95,8 @@ def write_tiny_model(out: Path | str, preset: str = "tiny", seed: int = 0, dtype
     # Round the vocabulary up to a multiple of 64, as real checkpoints do (tensor-parallel friendly).
     vocab = (len(tokenizer) + 63) // 64 * 64
     model = build_model(preset, vocab_size=vocab, seed=seed, **overrides)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    for config in (model.generation_config, model.config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model = model.to(getattr(torch, dtype))
     # parameters() yields a tied embedding once, as save_pretrained writes it
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

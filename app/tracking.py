@@ -37,13 +37,13 @@ LOG_NAME = re.compile(r"^metrics-(\d{8}T\d{6}Z)(?:-(\d+))?\.jsonl$")
 
 def swanboard_problem() -> str | None:
     """Why swanlab's local mode cannot record here (None when it can)."""
-    if importlib.util.find_spec("swanboard") is None:
-        return "swanboard is not installed"
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        found = version("swanboard")
+        found = version("swanboard") if importlib.util.find_spec("swanboard") else None
     except PackageNotFoundError:
+        found = None
+    if found is None:
         return "swanboard is not installed"
     if found != SWANBOARD_VERSION:
         return f"swanboard {found} is installed but swanlab needs {SWANBOARD_VERSION}"
@@ -51,15 +51,11 @@ def swanboard_problem() -> str | None:
 
 
 def tracking_env(run: Path, swanlab_mode: str = "local") -> dict[str, str]:
-    """Environment that sends a run's metrics to files under `run` (SWANLAB_MODE is `swanlab_mode`).
-
-    verl's FileLogger opens its file with "wb" (truncating it on every restart), so each attempt
-    writes its own logs/metrics-<UTC time>.jsonl; `report` reads them all in order.
-    """
+    """Environment that sends a run's metrics to files under `run`. verl's FileLogger opens its file with "wb"
+    (truncating it on every restart), so each attempt writes its own logs/metrics-<UTC time>.jsonl."""
     run = Path(run)
     logs = logs_dir(run)
-    # verl's FileLogger opens VERL_FILE_LOGGER_PATH without creating its directory.
-    writable_dir(logs, "CKPT_DIR")
+    writable_dir(logs, "CKPT_DIR")  # verl's FileLogger opens VERL_FILE_LOGGER_PATH without creating its directory
     writable_dir(swanlog_dir(run), "CKPT_DIR")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = logs / f"metrics-{stamp}.jsonl"
@@ -67,32 +63,21 @@ def tracking_env(run: Path, swanlab_mode: str = "local") -> dict[str, str]:
     while path.exists():  # two attempts in the same second must not share (and truncate) one file
         n += 1
         path = logs / f"metrics-{stamp}-{n}.jsonl"
-    mode = swanlab_mode
-    if mode == "local":
-        problem = swanboard_problem()
-        if problem:
-            # Without swanboard, local mode logs an error and records nothing; offline still keeps the run.
-            warn(f"{problem}, so swanlab records offline (no dashboard): "
-                 f"pip install 'swanboard=={SWANBOARD_VERSION}' for `make board`")
-            mode = "offline"
-    return {
-        "SWANLAB_MODE": mode,
-        "SWANLAB_LOG_DIR": str(swanlog_dir(run)),
-        "VERL_FILE_LOGGER_PATH": str(path),
-    }
+    problem = swanboard_problem() if swanlab_mode == "local" else None
+    if problem:  # without swanboard, local mode logs an error and records nothing; offline still keeps the run
+        warn(f"{problem}, so swanlab records offline (no dashboard): "
+             f"pip install 'swanboard=={SWANBOARD_VERSION}' for `make board`")
+        swanlab_mode = "offline"
+    return {"SWANLAB_MODE": swanlab_mode, "SWANLAB_LOG_DIR": str(swanlog_dir(run)),
+            "VERL_FILE_LOGGER_PATH": str(path)}
 
 
 def tracking_overrides(tracking: dict[str, str]) -> list[str]:
-    """Hydra overrides for verl.trainer.main_ppo that put `tracking` into the Ray job's runtime_env.
-
-    Ray actors see the environment of `ray start`, fixed when the node joined; the job's runtime_env
-    is per submission, so this attempt's JSONL path (and the swanlab settings) reach the actors
-    that create verl's loggers, on whichever node they land.
-    """
-    out = []
-    for key, value in tracking.items():
-        out.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}")  # ++: add or replace
-    return out
+    """Hydra overrides (++: add or replace) that put `tracking` into the Ray job's runtime_env: Ray actors see
+    the environment of `ray start`, fixed when the node joined, but runtime_env is per submission, so this
+    attempt's settings reach the actors that create verl's loggers, on whichever node they land."""
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}"
+            for key, value in tracking.items()]
 
 
 # --- reading a run's JSONL ------------------------------------------------------------------------
@@ -130,9 +115,7 @@ class RunLog:
         or None where every value is finite."""
         xs, ys = self.series(key)
         bad = [i for i, y in enumerate(ys) if not math.isfinite(y)]
-        if not bad:
-            return None
-        return xs[bad[0]], len(bad), len(bad) == len(ys) - bad[0]
+        return (xs[bad[0]], len(bad), len(bad) == len(ys) - bad[0]) if bad else None
 
     def keys(self) -> set[str]:
         return {k for metrics in self.steps.values() for k in metrics}
@@ -154,11 +137,8 @@ def _number(value) -> float | None:
         # verl's FileLogger writes with orjson, which writes NaN and +-inf as null: a metric that is null is
         # one that went non-finite (a diverged loss), not one that is absent
         return math.nan
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)  # NaN and Infinity too, as json writers other than orjson log them
-    return None
+    # bools too; NaN and Infinity as json writers other than orjson log them
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def read_attempt(path: Path) -> Attempt:
@@ -186,12 +166,9 @@ def read_attempt(path: Path) -> Attempt:
 
 
 def read_run(run: Path, files: list[Path] | None = None) -> RunLog:
-    """All attempts of a run merged in time order.
-
-    A later attempt resumed from a checkpoint at some step: it re-runs every step after it, so the
-    earlier attempts' steps past the later one's first step belong to an abandoned trajectory and are
-    dropped; at that first step the later values win key by key.
-    """
+    """All attempts of a run merged in time order. A later attempt resumed from a checkpoint re-runs every step
+    after it: the earlier attempts' steps past its first step belong to an abandoned trajectory and are dropped;
+    at that first step the later values win key by key."""
     from tqdm import tqdm
 
     files = log_files(run) if files is None else files
@@ -282,8 +259,7 @@ def render(log: RunLog, out: Path) -> list[str]:
     present = log.keys()
     written = []
     for name, title, panels in FIGURES:
-        filled = [(label, _expand(keys, present)) for label, keys in panels]
-        filled = [(label, keys) for label, keys in filled if keys]
+        filled = [(label, found) for label, keys in panels if (found := _expand(keys, present))]
         if not filled:
             continue
         cols = min(2, len(filled))
@@ -376,7 +352,7 @@ def report(run: Path) -> Path:
     with atomic_path(out, "RUN") as tmp:
         tmp.mkdir()
         plots = render(log, tmp)
-        startup, text = timeline.draw(run, tmp) if run.is_dir() else ([], "")
+        startup, text = timeline.draw(run, tmp)  # ([], "") for a JSONL file
         (tmp / "summary.txt").write_text(summary_text(log, plots + startup) + (f"\n{text}\n" if text else ""),
                                          encoding="utf-8")
     if log.bad_lines:
