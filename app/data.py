@@ -449,7 +449,7 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
 
 
 def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", template_kwargs: dict | None = None,
-                   chunk: int = 4096, failed: int | None = None) -> list[int]:
+                   chunk: int = 4096, failed: int | None = None, generation_prompt: bool = True) -> list[int]:
     """Each row's prompt length in tokens as verl 0.9.1's RLHFDataset counts it for its length filter: the chat
     template with the generation prompt, tokenized without special tokens. verl counts row by row (in
     `datasets.filter`, one process by default) at every start; a fast tokenizer encodes a chunk in one call. A
@@ -460,7 +460,7 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in skipped}
 
     def count(rows: list) -> list[int]:
-        texts = tokenizer.apply_chat_template(rows, add_generation_prompt=True, tokenize=False, **kwargs)
+        texts = tokenizer.apply_chat_template(rows, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
         encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
@@ -480,6 +480,32 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
                 except Exception:  # noqa: BLE001
                     lengths.append(failed)
     return lengths
+
+
+def check_sft_lengths(spec, files: list[Path], warnings: list[str]) -> None:
+    """SFT conversations against data.max_length, counted with the chat template verl's SFT dataset uses: verl cuts
+    a longer one where data.truncation says (the profile: right, its answer off) or stops the run (error). Refused
+    where verl would stop, said where it would cut: never cut silently."""
+    from transformers import AutoTokenizer
+
+    limit, mode = spec.get("data.max_length"), spec.get("data.truncation")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.get(f"{spec.model_key}.tokenizer_path") or spec.model_path))
+        lengths = [n for path in files for n in prompt_lengths(path, tokenizer, spec.get("data.messages_key") or
+                                                               "messages", failed=0, generation_prompt=False)]
+    except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
+        warnings.append(f"SFT lengths not counted ({type(exc).__name__}): verl's data.truncation={mode} decides")
+        return
+    over = [n for n in lengths if n > limit]
+    if not over:
+        return
+    said = f"{len(over)} of {len(lengths)} train conversations are longer than data.max_length={limit} " \
+           f"(longest {max(over)} tokens)"
+    if mode == "error":
+        raise UserError(f"{said}: verl would stop at the first (data.truncation=error); raise data.max_length to "
+                        f"{max(over)}")
+    warnings.append(f"{said}: verl cuts them ({'their ends, answers included' if mode == 'right' else 'their starts'}: "
+                    f"data.truncation={mode}); raise data.max_length to {max(over)}, or data.truncation=error to refuse")
 
 
 def _text_of_parts(content, where: str):

@@ -318,6 +318,10 @@ def check_data(spec: Spec, notes: list[str], warnings: list[str]) -> None:
     if spec.job == "sft" and rows < batch:  # verl's SFT trainer drops the last partial batch, then divides by zero
         raise UserError(f"{rows} train rows, fewer than data.train_batch_size={batch}: no step would run; use more "
                         f"rows or a smaller batch, e.g. ARGS='data.train_batch_size={rows}'")
+    if spec.job == "sft":
+        from app.data import check_sft_lengths
+
+        check_sft_lengths(spec, train, warnings)
     if not val and spec.job == "sft":
         warnings.append("no validation file: SFT runs without val/loss (VAL_FILE, or DATA_DIR's test.parquet)")
     if spec.job == "grpo":

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from app.common import REPO_ROOT, ArgParser, UserError, say
+from app.common import REPO_ROOT, ArgParser, UserError, refuse_symlink_loop, say
 
 # The commands of `python -m app` (see app/__main__.py), and three readers outside it: the Makefile
 # itself, compose's interpolation (image, build arguments) and the processes a launch starts.
@@ -484,9 +484,14 @@ def _value(var: Var, raw: str | None, source: str) -> Value:
     if raw is None:
         return Value(None, "default", None if var.default is None else parse(var, var.default))
     try:
-        return Value(raw, source, parse(var, raw))
+        value = parse(var, raw)
+        for path in (value if var.kind == "paths" else [value] if var.kind == "path" else []):
+            refuse_symlink_loop(path, var.name)  # pathlib would read a loop as absent, or raise
+        return Value(raw, source, value)
     except ValueError as exc:
         return Value(raw, source, error=_refusal(var, raw, source, str(exc)))
+    except UserError as exc:
+        return Value(raw, source, error=str(exc))
 
 
 @dataclass(frozen=True, eq=False)

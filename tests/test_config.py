@@ -635,3 +635,24 @@ def test_a_recipes_keys_that_verl_will_ignore_are_said_not_refused(launch_env, m
     monkeypatch.setenv("ARGS", args + (" actor_rollout_ref.actor.use_dynamic_bsz=false" if "actor." in args else ""))
     if "actor." in args:  # with dynamic batching off, verl reads it: nothing to say
         assert not [w for w in plan_of(job).warnings if "verl ignores it" in w]
+
+
+@pytest.mark.parametrize("truncation, refused", [("right", False), ("left", False), ("error", True)])
+def test_sft_conversations_longer_than_max_length_are_said_or_refused_never_cut_silently(launch_env, monkeypatch,
+                                                                                         tmp_path, truncation, refused):
+    long_one = [{"role": "user", "content": "What is 1 + 1? " + "and " * 400},
+                {"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]
+    import pandas as pd
+
+    train = write_sft(tmp_path / "train.parquet", rows=64)
+    table = pd.read_parquet(train)
+    table.at[3, "messages"] = long_one
+    table.to_parquet(train)
+    monkeypatch.setenv("TRAIN_FILE", str(train))
+    monkeypatch.setenv("ARGS", f"data.max_length=256 data.truncation={truncation}")
+    said = "1 of 64 train conversations are longer than data.max_length=256 (longest "
+    if refused:
+        assert said in rejects("sft", monkeypatch, "would stop at the first")
+        return
+    warnings = plan_of("sft").warnings
+    assert [w for w in warnings if w.startswith(said) and f"data.truncation={truncation}" in w], warnings

@@ -277,3 +277,40 @@ def test_gpus_held_by_a_killed_runs_processes_are_refused_naming_them(ray_env, t
         assert line.startswith("error: this node's GPUs are in use by pid 4242 (VLLM::EngineCore, 61234 MiB), perhaps "
                                "left by a run that was killed: stop it (kill PID) before make"), line
     assert not Path(ray_env["CKPT_DIR"]).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "error: interrupted;"),
+                                                (signal.SIGTERM, 143, "error: stopped by SIGTERM;")])
+def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceback(ray_env, tmp_path, signum, code,
+                                                                                      said):
+    """Ctrl-C reaches the whole foreground process group (the terminal's), SIGTERM the launch (docker stop, kill):
+    torchrun's agent raises its SignalException, and its ranks stop; the user reads one line, nothing is left."""
+    env = {**ray_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STANDIN_HOLD": str(tmp_path / "never")}
+    launch = subprocess.Popen([sys.executable, "-m", "app", "sft"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = Path(env["CKPT_DIR"])
+    deadline = time.monotonic() + 180
+    while not (run / "rank0.json").exists() and time.monotonic() < deadline:  # training (the stand-in holds)
+        time.sleep(0.3)
+    (os.killpg if signum == signal.SIGINT else os.kill)(launch.pid, signum)
+    out, err = launch.communicate(timeout=120)
+    assert launch.returncode == code and "Traceback" not in err + out, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]]
+    assert err.strip().splitlines()[-1].startswith(said)
+    stray = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+    assert stray == [] and not (run / ".locks" / "node0.json").exists()
+
+
+def test_a_master_port_in_use_on_node_0_is_one_line_naming_its_holder(ray_env):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**ray_env, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "SFT_TRAINER_MODULE": "cpu_sft_trainer"}
+        line = the_one_error(run_app("sft", env=env))
+    assert line.startswith(f"error: MASTER_PORT {port} is already in use on this node by python") \
+        and line.endswith("set MASTER_PORT to a free port, the same on every node")

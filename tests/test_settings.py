@@ -344,3 +344,10 @@ def test_a_dotenv_that_is_not_utf8_and_a_missing_env_file_are_refused_in_one_lin
     missing = tmp_path / "nope.env"
     line = assert_one_line_error(run_app("settings", env={"ENV_FILE": str(missing)}))
     assert line == f"error: ENV_FILE={missing} does not exist: point it at your dotenv file, or unset it to read ./.env"
+
+
+@pytest.mark.parametrize("name", ["MODEL_PATH", "CKPT_DIR", "TRAIN_FILE"])
+def test_a_path_setting_through_a_symlink_loop_is_one_line_naming_the_link(tmp_path, name):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    line = assert_one_line_error(run_app("check", "sft", env={name: str(tmp_path / "loop" / "x")}))
+    assert f"{tmp_path / 'loop'} is a symbolic link that loops back on itself" in line and f"point {name} at" in line
