@@ -332,3 +332,83 @@ def test_the_image_holds_nothing_of_the_site_ca_it_was_built_with():
     finally:
         shutil.rmtree(patterns.parent)
     assert found.stdout.strip() == "0", f"{found.stdout.strip()} lines of SITE_CA's own certificates in {IMAGE}"
+
+
+# --- make slurm, its docker variant: each task's make runs the stack in the image -----------------------------
+@pytest.mark.timeout(900)
+def test_make_slurm_docker_variant_runs_one_container_per_node_in_a_real_slurm_job(stack, tiny_model, data_dir,
+                                                                                   outside):
+    """The sbatch script `make slurm SLURM_CONTAINER=docker` writes, submitted to a real Slurm cluster on this
+    machine (two slurmd, 127.0.0.1 and 127.0.0.2): each task's `make sft` runs the sft-runner container; the node
+    facts come from Slurm on the host and reach the containers; the two meet over gloo."""
+    from slurm_cluster import slurm_cluster
+
+    run, script = owned_dir(outside / "run"), outside / "sft.sbatch"
+    settings = {"MODEL_PATH": str(tiny_model), "DATA_DIR": str(data_dir), "CKPT_DIR": str(run), "NNODES": "2",
+                "MASTER_PORT": str(free_port()), "SFT_TRAINER_MODULE": "cpu_sft_trainer", "PYTHONPATH": str(FIXTURES),
+                "MOUNTS": str(FIXTURES), "SLURM_CONTAINER": "docker", "OUT": str(script)}
+    try:
+        with slurm_cluster(nodes=2) as cluster:
+            env = {**stack.env(**settings), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+            written = subprocess.run(["make", "--no-print-directory", "-s", "slurm", "JOB=sft", "RUNTIME=local",
+                                      f"PYTHON={sys.executable}"], cwd=REPO, env=env, capture_output=True, text=True,
+                                     timeout=300)
+            assert written.returncode == 0, written.stdout + written.stderr
+            result = subprocess.run(["sbatch", "--wait", str(script)], env=env, capture_output=True, text=True,
+                                    timeout=800)
+            log = "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-sft-*.out")))
+            assert result.returncode == 0, result.stdout + result.stderr + log + cluster.logs(1500)
+    except RuntimeError as error:  # the cluster did not start: a failure, .ci/run installs slurm-wlm and munge
+        pytest.fail(str(error))
+    assert "RUNTIME=docker sft" in script.read_text() and log.count("runtime: docker") == 2
+    for rank in (0, 1):
+        seen = read_json(run / f"rank{rank}.json")
+        assert seen["world_size"] == 2 and seen["sum"] == 3.0 and seen["node_rank"] == rank
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["pytorchjob", "indexed"])
+def test_make_k8s_sft_pods_meet_in_the_image_with_the_environment_kubernetes_gives_them(tiny_model, data_dir, outside,
+                                                                                        kind):
+    """The manifests' two SFT pods, each run as `docker run` of IMAGE with its manifest's command and env plus what
+    Kubernetes adds (the Training Operator's PET_* variables, or an Indexed Job's JOB_COMPLETION_INDEX; the DNS name
+    of pod 0 stands as 127.0.0.1): they meet over gloo and train. The volume is a directory at K8S_MOUNT."""
+    import yaml
+
+    mount = owned_dir(outside / "workspace")
+    shutil.copytree(tiny_model, mount / "model")
+    shutil.copytree(data_dir, mount / "data")
+    out = outside / "sft.yaml"
+    written = subprocess.run([sys.executable, "-m", "app", "k8s", "sft"], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "ENV_FILE": os.devnull, "OUT": str(out), "K8S_SFT": kind, "IMAGE": IMAGE,
+                                  "K8S_MOUNT": str(mount), "MODEL_PATH": str(mount / "model"), "NNODES": "2",
+                                  "DATA_DIR": str(mount / "data"), "CKPT_DIR": str(mount / "run"), "GPUS_PER_NODE": "1",
+                                  "SFT_TRAINER_MODULE": "cpu_sft_trainer", "PYTHONPATH": str(REPO)}, timeout=300)
+    assert written.returncode == 0, written.stderr
+    docs = list(yaml.safe_load_all(out.read_text()))
+    if kind == "pytorchjob":
+        specs = docs[0]["spec"]["pytorchReplicaSpecs"]
+        pods = [specs["Master"]["template"], specs["Worker"]["template"]]
+    else:
+        pods = [docs[1]["spec"]["template"]] * 2
+    port, names = free_port(), [f"vstest-k8s-{os.getpid()}-{rank}" for rank in (0, 1)]
+    runs = []
+    try:
+        for rank, pod in enumerate(pods):
+            (container,) = pod["spec"]["containers"]
+            given = {e["name"]: e["value"] for e in container["env"]}
+            given.update(KUBERNETES_SERVICE_HOST="127.0.0.1", PYTHONPATH=str(FIXTURES))
+            given.update({"PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1",
+                          "PET_MASTER_PORT": str(port)} if kind == "pytorchjob" else
+                         {"JOB_COMPLETION_INDEX": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            command = ["docker", "run", "--rm", "--name", names[rank], "--network", "host", "--pull", "never",
+                       "-v", f"{mount}:{mount}", "-v", f"{FIXTURES}:{FIXTURES}:ro",
+                       *[arg for k, v in given.items() for arg in ("-e", f"{k}={v}")], IMAGE, *container["command"]]
+            runs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [run.communicate(timeout=600)[0] for run in runs]
+    finally:
+        subprocess.run(["docker", "rm", "-f", *names], capture_output=True)
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    for rank in (0, 1):
+        seen = read_json(mount / "run" / f"rank{rank}.json")
+        assert seen["world_size"] == 2 and seen["node_rank"] == rank and seen["sum"] == 3.0
