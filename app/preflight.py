@@ -315,7 +315,7 @@ def check_data(spec: Spec, notes: list[str], warnings: list[str]) -> None:
             overlap = compare_splits(reports[t], reports[v])
             warnings += [overlap] if overlap else []
     rows, batch = sum(reports[p].rows for p in train), spec.get("data.train_batch_size")
-    if spec.job == "sft" and rows < batch:  # verl's SFT trainer drops the last partial batch, then divides by zero
+    if rows < batch:  # verl drops the last partial batch: SFT then divides by zero, GRPO asserts an empty loader
         raise UserError(f"{rows} train rows, fewer than data.train_batch_size={batch}: no step would run; use more "
                         f"rows or a smaller batch, e.g. ARGS='data.train_batch_size={rows}'")
     if spec.job == "sft":

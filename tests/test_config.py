@@ -656,3 +656,30 @@ def test_sft_conversations_longer_than_max_length_are_said_or_refused_never_cut_
         return
     warnings = plan_of("sft").warnings
     assert [w for w in warnings if w.startswith(said) and f"data.truncation={truncation}" in w], warnings
+
+
+def test_verls_own_gsm8k_grpo_recipe_passes_as_verl_would_take_it(launch_env, monkeypatch):
+    """verl 0.9.1's examples/grpo_trainer GSM8K script (run_qwen2-7b_seq_balance.sh), translated as a user would: the
+    model, the data and the node counts as settings, every other override verbatim in ARGS (its wandb logger as
+    console: wandb is not installed here, and verl would stop on it too)."""
+    recipe = ("algorithm.adv_estimator=grpo data.train_batch_size=256 data.max_prompt_length=512 "
+              "data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation='error' "
+              "actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True "
+              "actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.use_dynamic_bsz=True "
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000 actor_rollout_ref.actor.use_kl_loss=True "
+              "actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl "
+              "actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True "
+              "actor_rollout_ref.actor.fsdp_config.param_offload=False "
+              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False "
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm "
+              "actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5 "
+              "actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False "
+              "trainer.critic_warmup=0 trainer.logger=['console'] trainer.project_name='verl_grpo_example_gsm8k' "
+              "trainer.experiment_name='qwen2_7b_function_rm' trainer.n_gpus_per_node=8 trainer.nnodes=1 "
+              "trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15")
+    monkeypatch.setenv("ARGS", recipe)
+    plan = plan_of("grpo", deep=True)
+    cfg = plan.spec.cfg
+    assert cfg.trainer.experiment_name == "qwen2_7b_function_rm" and cfg.trainer.project_name == "verl_grpo_example_gsm8k"
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert load().source("EXPERIMENT") == "ARGS" and load().source("GPUS_PER_NODE") == "ARGS"
