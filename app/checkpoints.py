@@ -208,15 +208,19 @@ def _remove_leftovers(out: Path) -> None:
         shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(missing_ok=True)
 
 
-def merge_with_verl(shards: ShardSet, target: Path) -> None:
-    """verl's own FSDP merger, unchanged: loads every shard into RAM at once, then writes the model."""
+def _verl_merger(shards: ShardSet, target: Path):
     from verl.model_merger.base_model_merger import ModelMergerConfig
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
-    config = ModelMergerConfig(operation="merge", backend="fsdp", local_dir=str(shards.directory),
-                               target_dir=str(target), hf_model_config_path=str(shards.directory / "huggingface"))
     target.mkdir(parents=True, exist_ok=True)
-    merger = FSDPModelMerger(config)
+    return FSDPModelMerger(ModelMergerConfig(
+        operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
+        hf_model_config_path=str(shards.directory / "huggingface")))
+
+
+def merge_with_verl(shards: ShardSet, target: Path) -> None:
+    """verl's own FSDP merger, unchanged: loads every shard into RAM at once, then writes the model."""
+    merger = _verl_merger(shards, target)
     try:
         merger.merge_and_save()
     except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
@@ -246,103 +250,106 @@ def _load_mmap(path: Path):
                         "copy it again from its node (make gather) or merge an earlier STEP") from None
 
 
-def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
-    """verl's FSDP merge, done one output file at a time through memory-mapped shards.
+class _Ranks:
+    """Every rank's shard of one checkpoint, memory-mapped, merged a few keys at a time as verl merges them."""
 
-    verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model).
-    Here the tensors of one output file are read from memory-mapped shards, a few ranks at a time (each
-    mapping is dropped once its pieces are cast, so its pages leave memory), merged, and written with
-    safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
-    local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
-    drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
-    and scripts/bench_merge.sh check that).
-    """
-    from concurrent.futures import ThreadPoolExecutor
+    def __init__(self, merger, shards: ShardSet):
+        self.merger, self.files = merger, shards.files
+        self.world = merger._get_world_size()
+        self.workers = max(1, min(4, os.cpu_count() or 1, self.world))
+        rank0 = _load_mmap(shards.files[0])
+        mesh, self.mesh_dim_names = merger._extract_device_mesh_info(rank0, self.world)
+        total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, self.mesh_dim_names)
+        if total_shards != self.world or len(mesh_shape) != 1:
+            raise UserError(f"device mesh {self.mesh_dim_names} of shape {tuple(mesh.shape)} in {shards.directory}: "
+                            "only FSDP (optionally with DDP) checkpoints merge here; try --engine verl")
+        self.keys = list(rank0)
+        self.sizes = {k: rank0[k].numel() * 2 for k in self.keys}  # bf16 bytes, merged (DTensor.numel is global)
+        del rank0
+        for path in shards.files[1:]:  # every rank readable and alike before anything is written (cheap: mmap)
+            other = set(_load_mmap(path))
+            if other != set(self.keys):
+                odd = sorted(other ^ set(self.keys))[0]
+                raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
+                                "different runs; gather this run's shards")
 
-    import torch
-    from accelerate import init_empty_weights
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-    from tqdm import tqdm
-
-    from verl.model_merger.base_model_merger import ModelMergerConfig
-    from verl.model_merger.fsdp_model_merger import FSDPModelMerger, merge_non_dtensor_shards
-    from verl.model_merger.output_validation import validate_hf_model_output
-    from verl.utils import hf_processor, hf_tokenizer
-    from verl.utils.transformers_compat import drop_tied_target_keys
-
-    target.mkdir(parents=True, exist_ok=True)
-    merger = FSDPModelMerger(ModelMergerConfig(
-        operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
-        hf_model_config_path=str(shards.directory / "huggingface")))
-    if not merger.model_config.architectures:
-        raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
-                        "config.json of the model you trained into it (with \"architectures\")")
-    world = merger._get_world_size()
-    workers = max(1, min(4, os.cpu_count() or 1, world))
-    rank0 = _load_mmap(shards.files[0])
-    mesh, mesh_dim_names = merger._extract_device_mesh_info(rank0, world)
-    total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, mesh_dim_names)
-    if total_shards != world or len(mesh_shape) != 1:
-        raise UserError(f"device mesh {mesh_dim_names} of shape {tuple(mesh.shape)} in {shards.directory}: only "
-                        "FSDP (optionally with DDP) checkpoints merge here; try --engine verl")
-    keys = list(rank0)
-    sizes = {k: rank0[k].numel() * 2 for k in keys}  # bf16 bytes of the merged tensor (DTensor.numel is global)
-    del rank0
-    for path in shards.files[1:]:  # every rank readable and alike before anything is written (cheap: mmap)
-        other = set(_load_mmap(path))
-        if other != set(keys):
-            odd = sorted(other ^ set(keys))[0]
-            raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
-                            "different runs; gather this run's shards")
-
-    def rank_pieces(path: Path, keys_wanted: list[str]) -> dict[str, tuple]:
+    def _pieces(self, path: Path, keys: list[str]) -> dict[str, tuple]:
         """key -> (bf16 local piece, placements) of one rank; its mapping is dropped on return."""
+        from torch.distributed.tensor import DTensor
+
         state = _load_mmap(path)
         result = {}
-        for key in keys_wanted:
+        for key in keys:
             value = state[key]
             if isinstance(value, DTensor):
                 placements = tuple(value.placements)
-                if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl does
+                if self.mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl does
                     placements = placements[1:]
                 result[key] = (value._local_tensor.bfloat16(), placements)
             else:
                 result[key] = (value.bfloat16(), None)
         return result  # `state` goes out of scope: the file is unmapped and its pages leave memory
 
-    def pieces_of(keys_wanted: list[str], bar=None) -> dict[str, list]:
-        """key -> [(bf16 local piece, placements) per rank in rank order]."""
-        pieces: dict[str, list] = {k: [] for k in keys_wanted}
-        per_rank = sum(sizes[k] for k in keys_wanted) // world
+    def merged(self, keys: list[str], bar=None) -> dict:
+        """key -> its merged bf16 tensor; `bar` advances by each rank's share as it is read."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from verl.model_merger.fsdp_model_merger import merge_non_dtensor_shards
+
+        pieces: dict[str, list] = {k: [] for k in keys}  # key -> [(piece, placements) per rank, in rank order]
+        per_rank = sum(self.sizes[k] for k in keys) // self.world
         # A few ranks at once, as verl loads its shards: the casts release the GIL, and only `workers`
         # mappings are open at a time, so memory grows by a few ranks' slices only.
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for result in pool.map(lambda path: rank_pieces(path, keys_wanted), shards.files):
-                for key in keys_wanted:
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for result in pool.map(lambda path: self._pieces(path, keys), self.files):
+                for key in keys:
                     pieces[key].append(result[key])
                 if bar is not None:
                     bar.update(per_rank)
-        return pieces
+        merged = {}
+        for key in keys:
+            parts = pieces.pop(key)
+            tensors, placements = [t for t, _ in parts], parts[0][1]
+            if placements is None:
+                merged[key] = merge_non_dtensor_shards(key, tensors)
+            elif any(p != placements for _, p in parts):
+                raise UserError(f"ranks disagree on how {key} is sharded: the shards come from different runs")
+            else:
+                merged[key] = self.merger._merge_by_placement(tensors, placements[0])
+        return merged
 
-    def merge_one(key: str, parts: list) -> torch.Tensor:
-        placements = parts[0][1]
-        if placements is None:
-            return merge_non_dtensor_shards(key, [t for t, _ in parts])
-        if any(p != placements for _, p in parts):
-            raise UserError(f"ranks disagree on how {key} is sharded: the shards come from different runs")
-        return merger._merge_by_placement([t for t, _ in parts], placements[0])
 
+def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
+    """verl's FSDP merge, done one output file at a time through memory-mapped shards.
+
+    verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model). Here
+    the tensors of one output file are read a few ranks at a time (_Ranks), merged, and written with
+    safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
+    local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
+    drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
+    and scripts/bench_merge.sh check that).
+    """
+    import torch
+    from accelerate import init_empty_weights
+
+    from verl.model_merger.output_validation import validate_hf_model_output
+    from verl.utils import hf_processor, hf_tokenizer
+    from verl.utils.transformers_compat import drop_tied_target_keys
+
+    merger = _verl_merger(shards, target)
+    if not merger.model_config.architectures:
+        raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
+                        "config.json of the model you trained into it (with \"architectures\")")
+    ranks = _Ranks(merger, shards)
     # Names as verl writes them: LoRA weights split off into lora_adapter/ (verl's save_lora_adapter renames
     # the base keys), then tied aliases (lm_head.weight) dropped. Placeholder values carry the source key.
-    names: dict[str, object] = {k: k for k in keys}
-    lora_keys = [k for k in keys if "lora_" in k]
+    names: dict[str, object] = {k: k for k in ranks.keys}
+    lora_keys = [k for k in ranks.keys if "lora_" in k]
     if lora_keys:
-        if len(lora_keys) == len(keys):
+        if len(lora_keys) == len(ranks.keys):
             raise UserError(f"{shards.directory} holds only LoRA weights (checkpoint.save_lora_only=True): there is "
                             "no base model to merge into; save full checkpoints, or load the adapter with PEFT")
-        for key, parts in pieces_of(lora_keys).items():
-            names[key] = merge_one(key, parts)
+        names.update(ranks.merged(lora_keys))
         merger.save_lora_adapter(names)
     with init_empty_weights():
         model = merger.get_transformers_auto_model_class().from_config(
@@ -350,51 +357,51 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
     model = merger.patch_model_generation_config(model)
     drop_tied_target_keys(names, model, merger.model_config)
     plan = [(name, source) for name, source in names.items() if isinstance(source, str)]
-
-    # Output files of about file_bytes each, tensors in the model's own order.
-    groups: list[list[tuple[str, str]]] = [[]]
-    filled = 0
-    for name, source in plan:
-        if groups[-1] and filled + sizes[source] > file_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append((name, source))
-        filled += sizes[source]
-    single = len(groups) == 1
-    files = ["model.safetensors"] if single else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map: dict[str, str] = {}
-    total = sum(sizes[source] for _, source in plan)
-    # disable=None: a bar on a terminal, nothing in logs (so a failure midway stays one line there)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards", disable=None) as bar:
-        for group, filename in zip(groups, files):
-            before = bar.n
-            pieces = pieces_of([source for _, source in group], bar)
-            out: dict[str, torch.Tensor] = {}
-            for name, source in group:
-                out[name] = merge_one(source, pieces.pop(source))
-                weight_map[name] = filename
-            del pieces
-            save_file(out, str(target / filename), metadata={"format": "pt"})
-            del out
-            bar.update(before + sum(sizes[source] for _, source in group) - bar.n)
-    if not single:
-        index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()), "total_size": total},
-                 "weight_map": weight_map}
-        # the same index transformers' save_pretrained writes for a sharded model
-        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_weights(ranks, plan, target, file_bytes, sum(p.numel() for p in model.parameters()))
     # config + generation config as save_pretrained writes them for this bf16 model (what verl's merger calls)
     model.config.dtype = "bfloat16"
     model.config.architectures = [model.__class__.__name__]
     model.config.save_pretrained(target)
     if model.can_generate():
         model.generation_config.save_pretrained(target)
-    processor = hf_processor(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
-    tokenizer = hf_tokenizer(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
-    for artefact in (processor, tokenizer):
+    trust = merger.config.trust_remote_code
+    for artefact in (hf_processor(merger.hf_model_config_path, trust_remote_code=trust),
+                     hf_tokenizer(merger.hf_model_config_path, trust_remote_code=trust)):
         if artefact is not None:
             artefact.save_pretrained(target)
     validate_hf_model_output(target)
+
+
+def _write_weights(ranks: _Ranks, plan: list[tuple[str, str]], target: Path, file_bytes: int, n_params: int) -> None:
+    """`plan` (name, source key) as safetensors files of about file_bytes each, in the model's own order."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    groups: list[list[tuple[str, str]]] = [[]]
+    filled = 0
+    for name, source in plan:
+        if groups[-1] and filled + ranks.sizes[source] > file_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, source))
+        filled += ranks.sizes[source]
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    total = sum(ranks.sizes[source] for _, source in plan)
+    # disable=None: a bar on a terminal, nothing in logs (so a failure midway stays one line there)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {ranks.world} FSDP shards", disable=None) as bar:
+        for group, filename in zip(groups, files):
+            before = bar.n
+            merged = ranks.merged([source for _, source in group], bar)
+            out = {name: merged.pop(source) for name, source in group}
+            save_file(out, str(target / filename), metadata={"format": "pt"})
+            del out
+            weight_map.update((name, filename) for name, _ in group)
+            bar.update(before + sum(ranks.sizes[source] for _, source in group) - bar.n)
+    if len(files) > 1:  # the same index transformers' save_pretrained writes for a sharded model
+        index = {"metadata": {"total_parameters": n_params, "total_size": total}, "weight_map": weight_map}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _auto_class(config):
