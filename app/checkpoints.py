@@ -679,10 +679,63 @@ def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -
                         "during the copy (is training still saving?); rerun make gather once the save is done")
 
 
-def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: dict[str, str] | None = None) -> Path:
-    """Pull the shards of one step from every node into this node's run directory; return its shard dir."""
+def _latest_on_nodes(nodes: list[Node]) -> int:
+    """Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it."""
     import tempfile
 
+    numbers = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, node in enumerate(nodes):
+            if LATEST_FILE in (_listing(node, "") or {}):
+                _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
+                number = latest_step(Path(tmp, str(i)))
+                if number is not None:
+                    numbers.append(number)
+    if not numbers:
+        raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
+                        "set STEP=N (the global_step_N to gather)")
+    return max(numbers)
+
+
+def _to_copy(nodes: list[Node], local_step: Path, spec: int) -> tuple[dict[str, tuple[Node, int]], str]:
+    """relative path -> (node, size) of each shard and rank-0 file of the step this node lacks, and the
+    GRPO layout's "actor/" prefix (or ""); a file that differs between nodes is refused, as are mixed worlds."""
+    local_files = {str(p.relative_to(local_step)): p.stat().st_size
+                   for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
+    holdings = {node.spec: _listing(node, local_step.name) or {} for node in nodes}
+    held = [rel for files in (local_files, *holdings.values()) for rel in files]
+    prefix = "actor/" if any(rel.startswith("actor/") for rel in held) else ""  # GRPO layout
+    worlds: dict[int, set[str]] = {}  # world size -> where shards of it are
+    for rel in local_files:
+        if match := SHARD_RE.match(rel[len(prefix):]):
+            worlds.setdefault(int(match.group(1)), set()).add("this node")
+    wanted: dict[str, tuple[Node, int]] = {}
+    for node in nodes:
+        for rel, size in holdings[node.spec].items():
+            name = rel[len(prefix):]
+            match = SHARD_RE.match(name)
+            rank0_file = name in ("fsdp_config.json", "lora_train_meta.json") or name.startswith("huggingface/")
+            if not rel.startswith(prefix) or not (match or rank0_file):
+                continue  # optimizer and extra state: not needed to merge
+            if match:
+                worlds.setdefault(int(match.group(1)), set()).add(node.spec)
+            if match and rel in local_files and local_files[rel] != size:
+                raise UserError(f"{prefix}{name} differs between this node ({local_files[rel]} bytes) and "
+                                f"{node.spec} ({size} bytes): one is from an older run; remove the stale copy")
+            if match and rel in wanted and wanted[rel][1] != size:
+                raise UserError(f"{rel} is on both {wanted[rel][0].spec} and {node.spec} with different sizes: "
+                                "one is from an older run; remove the stale copy")
+            if rel not in local_files:
+                wanted.setdefault(rel, (node, size))
+    if len(worlds) > 1:
+        detail = "; ".join(f"world size {w} on {', '.join(sorted(where))}" for w, where in sorted(worlds.items()))
+        raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
+                        "run; remove them")
+    return wanted, prefix
+
+
+def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: dict[str, str] | None = None) -> Path:
+    """Pull the shards of one step from every node into this node's run directory; return its shard dir."""
     from tqdm import tqdm
 
     ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
@@ -692,81 +745,29 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
                         "the run, and NODES=\"host1 host2\" to the nodes that hold its shards")
     spec = step if isinstance(step, int) else latest_step(ckpt_dir)
     if spec is None:
-        # Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it.
-        numbers = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, node in enumerate(nodes):
-                if LATEST_FILE in (_listing(node, "") or {}):
-                    _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
-                    numbers += [n] if (n := latest_step(Path(f"{tmp}/{i}"))) is not None else []
-        if not numbers:
-            raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
-                            "set STEP=N (the global_step_N to gather)")
-        spec = max(numbers)
+        spec = _latest_on_nodes(nodes)
     local_step = step_dir(ckpt_dir, spec)
-    step_rel = local_step.name
     local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
-    try:
+    with contextlib.suppress(UserError):
         shards = check_complete(local_shards)
         say(f"all {shards.world_size} ranks of step {spec} are already in {local_shards} (a shared volume, or "
             "gathered before): nothing to do")
         return local_shards
-    except UserError:
-        pass
     if not nodes:
         raise UserError(f"{local_shards} lacks shards from other nodes and NODES is empty: set NODES=\"<ip of "
                         "every node>\" (ssh access from here) or use a shared volume")
-
-    # What each node holds (including this one) for this step.
-    holdings: dict[str, dict[str, int]] = {}
-    local_files = {str(p.relative_to(local_step)): p.stat().st_size
-                   for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
-    for node in nodes:
-        holdings[node.spec] = _listing(node, step_rel) or {}
-    held = [rel for files in (local_files, *holdings.values()) for rel in files]
-    prefix = "actor/" if any(rel.startswith("actor/") for rel in held) else ""  # GRPO layout
-    wanted: dict[str, tuple[Node, int]] = {}  # relative path -> (node, size)
-    worlds: dict[int, set[str]] = {}
-    for node in nodes:
-        for rel, size in holdings[node.spec].items():
-            name = rel[len(prefix):] if rel.startswith(prefix) else None
-            if name is None:
-                continue
-            match = SHARD_RE.match(name)
-            rank0_file = name in ("fsdp_config.json", "lora_train_meta.json") or name.startswith("huggingface/")
-            if not (match or rank0_file):
-                continue  # optimizer and extra state: not needed to merge
-            if match:
-                worlds.setdefault(int(match.group(1)), set()).add(node.spec)
-            if rel in local_files:
-                if match and local_files[rel] != size:
-                    raise UserError(f"{prefix}{name} differs between this node ({local_files[rel]} bytes) and "
-                                    f"{node.spec} ({size} bytes): one is from an older run; remove the stale copy")
-                continue
-            if rel in wanted and wanted[rel][1] != size:
-                if match:
-                    raise UserError(f"{rel} is on both {wanted[rel][0].spec} and {node.spec} with different sizes: "
-                                    "one is from an older run; remove the stale copy")
-                continue
-            wanted.setdefault(rel, (node, size))
-    local_worlds = {int(m.group(1)) for rel in local_files if (m := SHARD_RE.match(rel[len(prefix):]))}
-    all_worlds = set(worlds) | local_worlds
-    if len(all_worlds) > 1:
-        where = {w: sorted(worlds.get(w, set()) | ({"this node"} if w in local_worlds else set())) for w in all_worlds}
-        detail = "; ".join(f"world size {w} on {', '.join(where[w])}" for w in sorted(where))
-        raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
-                        "run; remove them")
+    wanted, prefix = _to_copy(nodes, local_step, spec)
     total = sum(size for _, size in wanted.values())
     check_room(local_step, total, "CKPT_DIR", f"the {len(wanted)} files of step {spec}", "they need")
     say(f"gathering {len(wanted)} files ({total / 2**30:.2f} GiB) of step {spec} from "
         f"{len({n.spec for n, _ in wanted.values()})} node(s) into {local_step}")
     with tqdm(total=total, unit="B", unit_scale=True, desc="Gathering shards", disable=None) as bar:  # as merge's
         for rel, (node, size) in sorted(wanted.items()):
-            _copy_with_progress(node, f"{step_rel}/{rel}", local_step / rel, size, bar)
+            _copy_with_progress(node, f"{local_step.name}/{rel}", local_step / rel, size, bar)
     if not (ckpt_dir / LATEST_FILE).is_file():
         with atomic_path(ckpt_dir / LATEST_FILE) as tmp:
             tmp.write_text(str(spec))
-    shards = check_complete(local_step / prefix if prefix else local_step)
+    shards = check_complete(local_step / prefix)
     say(f"all {shards.world_size} ranks of step {spec} are in {shards.directory}: next, make merge STEP={spec}")
     return shards.directory
 
