@@ -774,48 +774,32 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
 
 # --- CLI ------------------------------------------------------------------------------------------
 
-def _refuse_loops(ckpt_dir: str | None, settings: Settings) -> None:
-    """A CKPT_DIR through a symlink loop, one line naming it (default_run_dir resolves it: RuntimeError)."""
-    path = ckpt_dir or settings["CKPT_DIR"]
-    if path:
-        refuse_symlink_loop(path, "CKPT_DIR")
-
-
-def _merge_main(argv: list[str], settings: Settings) -> int:
-    parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
-    parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
-    parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
-    parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
-    parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
-                        help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
-                             "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
-    parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
-                        help="size of each output safetensors file (stream engine; memory is about twice it)")
-    args = parser.parse_args(argv)
-    _refuse_loops(args.ckpt_dir, settings)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
-    merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
-          file_bytes=int(args.file_mb * 2**20))
-    return 0
-
-
-def _gather_main(argv: list[str], settings: Settings) -> int:
-    parser = ArgParser(prog="python -m app gather", description=gather.__doc__)
-    parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
-    parser.add_argument("--nodes", default=settings["NODES"],
-                        help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
-    args = parser.parse_args(argv)
-    _refuse_loops(args.ckpt_dir, settings)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
-    gather(ckpt_dir, args.step, args.nodes, settings.environ())
-    return 0
-
-
 def main(command: str, argv: list[str], settings: Settings) -> int:
+    if command not in ("merge", "gather"):
+        raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")
+    parser = ArgParser(prog=f"python -m app {command}", description=(merge if command == "merge" else gather).__doc__)
+    parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg,
+                        help="step number or latest (STEP)")
     if command == "merge":
-        return _merge_main(argv, settings)
+        parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
+        parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
+        parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
+                            help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
+                                 "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
+        parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
+                            help="size of each output safetensors file (stream engine; memory is about twice it)")
+    else:
+        parser.add_argument("--nodes", default=settings["NODES"], help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; '
+                            "RUN_DIR defaults to the same path as here)")
+    args = parser.parse_args(argv)
+    path = args.ckpt_dir or settings["CKPT_DIR"]
+    if path:  # a symlink loop, in one line naming it (default_run_dir resolves it: RuntimeError)
+        refuse_symlink_loop(path, "CKPT_DIR")
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
     if command == "gather":
-        return _gather_main(argv, settings)
-    raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")
+        gather(ckpt_dir, args.step, args.nodes, settings.environ())
+    else:
+        merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
+              file_bytes=int(args.file_mb * 2**20))
+    return 0
