@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, no_room_errno, refuse_symlink_loop,
-                        resolved, say, warn)
+                        resolved, say, sweep_stale_temporaries, warn)
 from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
                       step_dir, steps_in)
 from app.settings import Settings
@@ -48,51 +48,30 @@ def _one_line(text: object) -> str:
 
 # --- where the shards are -----------------------------------------------------------------------
 
-@dataclass
-class Located:
-    """One saved step, resolved: the directory holding its shards and what to call the result."""
-
-    shard_dir: Path
-    run_name: str
-    step: int | None
-    layout: str  # "sft" (flat global_step_N/), "grpo" (global_step_N/actor/), or "dir" (given directly)
+def _shard_dir(saved_step: Path) -> Path:
+    actor = saved_step / "actor"  # GRPO's actor saves in global_step_N/actor/, SFT in global_step_N/
+    return actor if actor.is_dir() else saved_step
 
 
-def _has_shards(directory: Path) -> bool:
-    return directory.is_dir() and any(SHARD_RE.match(p.name) for p in directory.iterdir())
-
-
-def _step_dir_layout(step_dir: Path) -> tuple[Path, str]:
-    actor = step_dir / "actor"
-    if actor.is_dir():
-        return actor, "grpo"
-    return step_dir, "sft"
-
-
-def locate(ckpt_dir: Path, step: str | None) -> Located:
-    """Resolve CKPT_DIR + STEP to the directory of one step's shards, with one-line errors."""
+def locate(ckpt_dir: Path, step: str | None) -> tuple[Path, str, int | None]:
+    """CKPT_DIR + STEP -> (directory of one step's shards, run name, step), with one-line errors."""
     ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
     if not ckpt_dir.exists():
         raise UserError(f"CKPT_DIR {ckpt_dir} does not exist: set CKPT_DIR to the run directory that holds "
                         "global_step_N/ (on this node, or mounted here)")
-    # Given a step directory (or its actor/) directly: merge that one.
-    if STEP_RE.match(ckpt_dir.name):
-        shard_dir, layout = _step_dir_layout(ckpt_dir)
-        return Located(shard_dir, ckpt_dir.parent.name, int(STEP_RE.match(ckpt_dir.name).group(1)), layout)
     if ckpt_dir.name == "actor" and STEP_RE.match(ckpt_dir.parent.name):
-        number = int(STEP_RE.match(ckpt_dir.parent.name).group(1))
-        return Located(ckpt_dir, ckpt_dir.parent.parent.name, number, "grpo")
-    if _has_shards(ckpt_dir) or (ckpt_dir / "fsdp_config.json").exists():
-        return Located(ckpt_dir, ckpt_dir.name, None, "dir")
-
-    present = ", ".join(map(str, steps_in(ckpt_dir)))
+        ckpt_dir = ckpt_dir.parent  # a step's actor/, given directly: that step
+    if match := STEP_RE.match(ckpt_dir.name):  # a step directory, given directly
+        return _shard_dir(ckpt_dir), ckpt_dir.parent.name, int(match.group(1))
+    if scan(ckpt_dir) or (ckpt_dir / "fsdp_config.json").exists():  # a directory of shards
+        return ckpt_dir, ckpt_dir.name, None
     number = resolve_step(ckpt_dir, step)
     saved = step_dir(ckpt_dir, number)
     if not saved.is_dir():
-        raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present or 'none'} "
+        present = ", ".join(map(str, steps_in(ckpt_dir))) or "none"
+        raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present} "
                         "(set STEP to one of them)")
-    shard_dir, layout = _step_dir_layout(saved)
-    return Located(shard_dir, ckpt_dir.name, number, layout)
+    return _shard_dir(saved), ckpt_dir.name, number
 
 
 # --- are all ranks there? -----------------------------------------------------------------------
@@ -102,11 +81,7 @@ class ShardSet:
     directory: Path
     world_size: int
     files: list[Path]  # index = rank
-    sizes: list[int] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
+    total_bytes: int
 
 
 def scan(directory: Path) -> dict[int, dict[int, list[Path]]]:
@@ -122,15 +97,13 @@ def scan(directory: Path) -> dict[int, dict[int, list[Path]]]:
 
 def _ranks(ranks) -> str:
     """0,1,2,5 -> '0-2, 5': short enough for one line even with 64 ranks."""
-    ranks = sorted(ranks)
-    parts, start = [], None
-    for i, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ", ".join(parts)
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def check_complete(directory: Path) -> ShardSet:
@@ -169,44 +142,21 @@ def check_complete(directory: Path) -> ShardSet:
         raise UserError(f"{directory} is incomplete: world size {world}, ranks missing: {_ranks(missing)}; "
                         f"{GATHER_HINT}")
     files = [ranks[r][0] for r in range(world)]
-    sizes = []
     for path in files:
-        size = path.stat().st_size
-        if size == 0:
+        if path.stat().st_size == 0:
             raise UserError(f"{path} is empty: the save was interrupted or the copy failed; copy it again "
                             "from its node (make gather) or merge an earlier STEP")
         # torch.save writes a zip; its directory sits at the end, so a cut-off copy fails here cheaply.
         if not zipfile.is_zipfile(path):
             raise UserError(f"{path} is corrupt (not a complete torch checkpoint; truncated copy?): copy it "
                             "again from its node (make gather) or merge an earlier STEP")
-        sizes.append(size)
     absent = [name for name in RANK0_FILES if not (directory / name).exists()]
     if absent:
         raise UserError(f"{' and '.join(absent)} missing in {directory}: rank 0's node writes them; {GATHER_HINT}")
-    return ShardSet(directory, world, files, sizes)
+    return ShardSet(directory, world, files, sum(path.stat().st_size for path in files))
 
 
 # --- merge ----------------------------------------------------------------------------------------
-
-def _remove_leftovers(out: Path) -> None:
-    """Temporaries of merges that were killed (SIGKILL, power loss) never got cleaned up: do it now."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)?")
-    for sibling in out.parent.iterdir() if out.parent.is_dir() else []:
-        match = pattern.match(sibling.name)
-        if not match:
-            continue
-        pid = int(match.group(2)) if match.group(2) else None
-        if pid is not None and pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-                continue  # its merge is still running
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-        say(f"removing {sibling.name}, left by an interrupted merge")
-        shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(missing_ok=True)
-
 
 def _verl_merger(shards: ShardSet, target: Path):
     from verl.model_merger.base_model_merger import ModelMergerConfig
@@ -227,7 +177,6 @@ def merge_with_verl(shards: ShardSet, target: Path) -> None:
         raise UserError(f"verl.model_merger failed on {shards.directory} ({type(exc).__name__}: "
                         f"{_one_line(exc)[:300]}): a shard may be damaged; copy it again (make gather) or "
                         "merge an earlier STEP") from None
-    merger.cleanup()
 
 
 # Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
@@ -411,23 +360,11 @@ def _auto_class(config):
     return BaseModelMerger.get_transformers_auto_model_class(argparse.Namespace(model_config=config))
 
 
-def _saved_tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) from the safetensors headers only (no tensor is read)."""
-    from safetensors import safe_open
-
-    result = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                result[name] = (tuple(piece.get_shape()), piece.get_dtype())
-    return result
-
-
-def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> str:
+def verify(directory: Path) -> str:
     """Prove the merged model is usable: complete files, names/shapes as its config, tokenizer, forward."""
     import torch
     from accelerate import init_empty_weights
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     from verl.model_merger.output_validation import validate_hf_model_output
@@ -445,10 +382,14 @@ def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> 
     drop_tied_target_keys(expected, empty, config)
     n_params = sum(p.numel() for p in empty.parameters())
     del empty
-    saved = _saved_tensors(directory)
+    saved = {}  # name -> shape, from the safetensors headers only (no tensor is read)
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                saved[name] = tuple(handle.get_slice(name).get_shape())
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
-    wrong = sorted(n for n in set(expected) & set(saved) if expected[n] != saved[n][0])
+    wrong = sorted(n for n in set(expected) & set(saved) if expected[n] != saved[n])
     if missing or extra or wrong:
         parts = []
         if missing:
@@ -456,20 +397,19 @@ def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> 
         if extra:
             parts.append(f"{len(extra)} unexpected (e.g. {extra[0]})")
         if wrong:
-            parts.append(f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]][0]} "
+            parts.append(f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]]} "
                          f"vs {expected[wrong[0]]} in config.json)")
         raise UserError(f"merged weights do not match config.json: {', '.join(parts)}; the shards and "
                         "huggingface/config.json come from different models")
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if not getattr(tokenizer, "chat_template", None):
         warn(f"{directory} has no chat template: chat-style prompts (GRPO, eval) will not format")
-    if n_params > forward_max_params:
+    if n_params > FORWARD_MAX_PARAMS:
         return f"{len(saved)} tensors match config.json ({n_params / 1e9:.2f}B parameters; forward skipped)"
     model = auto_class.from_pretrained(directory, dtype=torch.float32)
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer("What is 2 + 3?", return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -526,26 +466,25 @@ def merged_bytes(shards: ShardSet) -> int:
 def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engine: str = "stream",
           file_bytes: int = STREAM_FILE_BYTES) -> Path:
     """Check, merge into a temporary directory, verify, then rename into OUT_DIR. Returns OUT_DIR."""
-    where = locate(ckpt_dir, step)
-    shards = check_complete(where.shard_dir)
-    out = resolved(out or merged_model_dir(where.run_name, where.step), "OUT_DIR")
+    shard_dir, run_name, number = locate(ckpt_dir, step)
+    shards = check_complete(shard_dir)
+    out = resolved(out or merged_model_dir(run_name, number), "OUT_DIR")
     if out.exists() and not force:
         raise UserError(f"OUT_DIR {out} already exists: set FORCE=1 to replace it, or choose another OUT_DIR")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT_DIR {out} is a file: choose a directory path for OUT_DIR")
-    _remove_leftovers(out)
+    for left in sweep_stale_temporaries(out):  # atomic_path would too, silently: say what a killed merge left
+        say(f"removed {left.name}, left by an interrupted merge")
     needed = merged_bytes(shards)
-    say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {where.shard_dir} "
+    say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {shard_dir} "
         f"into {out} (about {needed / 2**30:.2f} GiB)")
     # a full OUT_DIR disk is refused before minutes of merging, and is one line (NoRoom) if it fills anyway
     with atomic_path(out, "OUT_DIR", needed=needed, what="the merged model",
                      needs="its weights alone need about") as tmp:
         if engine == "verl":
             merge_with_verl(shards, tmp)
-        elif engine == "stream":
-            merge_streaming(shards, tmp, file_bytes=file_bytes)
         else:
-            raise UserError(f"unknown merge engine {engine!r}: choose stream or verl")
+            merge_streaming(shards, tmp, file_bytes=file_bytes)
         if (tmp / "lora_adapter").is_dir():
             fold_lora(tmp)
         say("verifying the merged model")
@@ -572,11 +511,8 @@ class Node:
 def parse_nodes(text: str, local_run: Path, environ: dict[str, str] | None = None) -> list[Node]:
     nodes = []
     for spec in text.replace(",", " ").split():
-        if ":" in spec:
-            host, path = spec.split(":", 1)
-            nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
-        else:  # the usual case: identical absolute paths on every node
-            nodes.append(Node(spec, spec, str(local_run), dict(environ or {})))
+        host, _, path = spec.partition(":")  # no RUN_DIR, the usual case: the same absolute path on every node
+        nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
     return nodes
 
 
@@ -747,7 +683,7 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
     if spec is None:
         spec = _latest_on_nodes(nodes)
     local_step = step_dir(ckpt_dir, spec)
-    local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
+    local_shards = _shard_dir(local_step)
     with contextlib.suppress(UserError):
         shards = check_complete(local_shards)
         say(f"all {shards.world_size} ranks of step {spec} are already in {local_shards} (a shared volume, or "
