@@ -1,15 +1,10 @@
-"""Checkpoints: `gather` every node's FSDP shards into one directory, `merge` them into a Hugging Face
-model, and verify it.
+"""Checkpoints: `gather` every node's FSDP shards into one directory, `merge` them into a Hugging Face model,
+and verify it. Settings: CKPT_DIR (a run, or one global_step_N/ or actor/), STEP, OUT_DIR, FORCE, NODES, JOB.
 
-verl writes, per saved step, `model_world_size_W_rank_R.pt` on the node that ran rank R, and
-`fsdp_config.json` + `huggingface/` (config and tokenizer, no weights) on rank 0's node only. SFT's
-layout is flat (`global_step_N/`), GRPO's actor lives in `global_step_N/actor/`. Merging needs every
-rank in one directory: we check that first and say exactly which ranks are missing and how to get them.
-
-Settings (app/settings.py): CKPT_DIR (the run directory holding global_step_N/
-and verl's LATEST_FILE, app/runs.py; or one global_step_N/ or actor/ directory), STEP (default
-latest), OUT_DIR (default models/<run>-step<N>), FORCE=1 (replace OUT_DIR), NODES (gather's sources),
-JOB (sft|grpo: which default run directory, when CKPT_DIR is unset).
+verl writes, per saved step, `model_world_size_W_rank_R.pt` on the node that ran rank R, and `fsdp_config.json`
++ `huggingface/` (config and tokenizer, no weights) on rank 0's node only; SFT's layout is flat (`global_step_N/`),
+GRPO's actor lives in `global_step_N/actor/`. Merging needs every rank in one directory: we check that first
+and say exactly which ranks are missing and how to get them.
 """
 
 from __future__ import annotations
@@ -17,12 +12,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import signal
+import subprocess
+import tempfile
+import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +34,12 @@ from app.settings import Settings
 
 SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)(.*)\.pt$")
 RANK0_FILES = ("fsdp_config.json", "huggingface")
-# Models up to this size get a real load + forward pass after merging; bigger ones are checked against
-# an empty-weight (meta) instance of their config so verification never needs the model's RAM twice.
+# Bigger merged models are checked against an empty-weight (meta) instance of their config only, without the
+# load + forward pass that would need their RAM a second time.
 FORWARD_MAX_PARAMS = 600_000_000
+# Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
+# and their merged result) plus one rank's slice of it in fp32, whatever the model's size.
+STREAM_FILE_BYTES = 512 << 20
 
 GATHER_HINT = ("each node keeps only its own ranks' shards: run `make gather NODES=\"<ip of every node>\"` "
                "here to pull them, or put CKPT_DIR on one volume mounted at the same path on every node")
@@ -45,8 +48,6 @@ GATHER_HINT = ("each node keeps only its own ranks' shards: run `make gather NOD
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
-
-# --- where the shards are -----------------------------------------------------------------------
 
 def _shard_dir(saved_step: Path) -> Path:
     actor = saved_step / "actor"  # GRPO's actor saves in global_step_N/actor/, SFT in global_step_N/
@@ -73,8 +74,6 @@ def locate(ckpt_dir: Path, step: str | None) -> tuple[Path, str, int | None]:
                         "(set STEP to one of them)")
     return _shard_dir(saved), ckpt_dir.name, number
 
-
-# --- are all ranks there? -----------------------------------------------------------------------
 
 @dataclass
 class ShardSet:
@@ -156,8 +155,6 @@ def check_complete(directory: Path) -> ShardSet:
     return ShardSet(directory, world, files, sum(path.stat().st_size for path in files))
 
 
-# --- merge ----------------------------------------------------------------------------------------
-
 def _verl_merger(shards: ShardSet, target: Path):
     from verl.model_merger.base_model_merger import ModelMergerConfig
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
@@ -179,19 +176,11 @@ def merge_with_verl(shards: ShardSet, target: Path) -> None:
                         "merge an earlier STEP") from None
 
 
-# Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
-# and their merged result) plus one rank's slice of it in fp32, whatever the model's size.
-STREAM_FILE_BYTES = 512 << 20
-
-
 def _load_mmap(path: Path):
-    import logging
-
     import torch
 
     # Unpickling a DTensor outside its process group warns about torch.compile, once per file: noise here.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/... for a damaged file
@@ -241,8 +230,6 @@ class _Ranks:
 
     def merged(self, keys: list[str], bar=None) -> dict:
         """key -> its merged bf16 tensor; `bar` advances by each rank's share as it is read."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from verl.model_merger.fsdp_model_merger import merge_non_dtensor_shards
 
         pieces: dict[str, list] = {k: [] for k in keys}  # key -> [(piece, placements) per rank, in rank order]
@@ -269,15 +256,10 @@ class _Ranks:
 
 
 def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
-    """verl's FSDP merge, done one output file at a time through memory-mapped shards.
-
-    verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model). Here
-    the tensors of one output file are read a few ranks at a time (_Ranks), merged, and written with
-    safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
-    local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
-    drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
-    and scripts/bench_merge.sh check that).
-    """
+    """verl's FSDP merge, one output file at a time: verl.model_merger holds every rank's whole state dict at
+    once (about the fp32 model); here only one file's tensors are read, merged and written before the next.
+    The per-tensor work is verl's own, so the tensors are bit-identical to verl's (tests/test_checkpoints.py
+    and scripts/bench_merge.sh check that)."""
     import torch
     from accelerate import init_empty_weights
 
@@ -444,9 +426,8 @@ def fold_lora(directory: Path) -> None:
 
 
 def merged_bytes(shards: ShardSet) -> int:
-    """About what a merge of `shards` writes: the weights in bf16 (verl's merger casts to it), a tied alias
-    (lm_head.weight of a model that ties it to its embedding) once; a LoRA merge keeps the base model beside
-    the folded one: twice that. From rank 0's memory-mapped shard (a DTensor's numel is the global count)."""
+    """About what a merge writes: the weights in bf16 (verl's merger casts to it), a tied lm_head.weight once;
+    twice that for LoRA (the base model is kept beside the folded one). A DTensor's numel is the global count."""
     from transformers import AutoConfig
 
     state = _load_mmap(shards.files[0])
@@ -493,8 +474,6 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
     return out
 
 
-# --- gather ---------------------------------------------------------------------------------------
-
 @dataclass
 class Node:
     """One source of shards: `[user@]host[:RUN_DIR]`, read over ssh (RUN_DIR defaults to CKPT_DIR's path)."""
@@ -527,8 +506,6 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, int
            needed: int | None = None) -> str | None:
     """rsync over ssh; a one-line UserError on failure, or None if missing_ok and the source does not exist.
     `into`: the local file it writes (its directory named, with `needed` bytes, when that disk is full)."""
-    import subprocess
-
     if shutil.which("rsync") is None:
         raise UserError("rsync is not installed on this node: install it (apt-get install rsync openssh-client)")
     cmd = ["rsync"]
@@ -577,8 +554,7 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, int
 
 def _listing(node: Node, relative: str) -> dict[str, int] | None:
     """relative path -> size of the files under RUN_DIR/relative on the node; None if it is not there."""
-    url = node.url(relative.rstrip("/") + "/")
-    out = _rsync(["-r", "--list-only", url], node, f"list {relative}", missing_ok=True)
+    out = _rsync(["-r", "--list-only", node.url(relative.rstrip("/") + "/")], node, f"list {relative}", missing_ok=True)
     if out is None:
         return None
     files = {}
@@ -591,8 +567,6 @@ def _listing(node: Node, relative: str) -> dict[str, int] | None:
 
 def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -> None:
     """rsync one file; the bar follows rsync's temporary file (.NAME.XXXXXX) as it grows."""
-    import threading
-
     dest.parent.mkdir(parents=True, exist_ok=True)
     done = threading.Event()
     start = bar.n
@@ -617,8 +591,6 @@ def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -
 
 def _latest_on_nodes(nodes: list[Node]) -> int:
     """Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it."""
-    import tempfile
-
     numbers = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, node in enumerate(nodes):
@@ -707,8 +679,6 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
     say(f"all {shards.world_size} ranks of step {spec} are in {shards.directory}: next, make merge STEP={spec}")
     return shards.directory
 
-
-# --- CLI ------------------------------------------------------------------------------------------
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
     if command not in ("merge", "gather"):
