@@ -1,15 +1,10 @@
-"""Checkpoints: `gather` every node's FSDP shards into one directory, `merge` them into a Hugging Face
-model, and verify it.
+"""Checkpoints: `gather` every node's FSDP shards into one directory, `merge` them into a Hugging Face model,
+and verify it. Settings: CKPT_DIR (a run, or one global_step_N/ or actor/), STEP, OUT_DIR, FORCE, NODES, JOB.
 
-verl writes, per saved step, `model_world_size_W_rank_R.pt` on the node that ran rank R, and
-`fsdp_config.json` + `huggingface/` (config and tokenizer, no weights) on rank 0's node only. SFT's
-layout is flat (`global_step_N/`), GRPO's actor lives in `global_step_N/actor/`. Merging needs every
-rank in one directory: we check that first and say exactly which ranks are missing and how to get them.
-
-Settings (app/settings.py): CKPT_DIR (the run directory holding global_step_N/
-and verl's LATEST_FILE, app/runs.py; or one global_step_N/ or actor/ directory), STEP (default
-latest), OUT_DIR (default models/<run>-step<N>), FORCE=1 (replace OUT_DIR), NODES (gather's sources),
-JOB (sft|grpo: which default run directory, when CKPT_DIR is unset).
+verl writes, per saved step, `model_world_size_W_rank_R.pt` on the node that ran rank R, and `fsdp_config.json`
++ `huggingface/` (config and tokenizer, no weights) on rank 0's node only; SFT's layout is flat (`global_step_N/`),
+GRPO's actor lives in `global_step_N/actor/`. Merging needs every rank in one directory: we check that first
+and say exactly which ranks are missing and how to get them.
 """
 
 from __future__ import annotations
@@ -17,26 +12,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import signal
+import subprocess
+import tempfile
+import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, no_room_errno, refuse_symlink_loop,
-                        resolved, say, warn)
+                        resolved, say, sweep_stale_temporaries, warn)
 from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
                       step_dir, steps_in)
 from app.settings import Settings
 
 SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)(.*)\.pt$")
 RANK0_FILES = ("fsdp_config.json", "huggingface")
-# Models up to this size get a real load + forward pass after merging; bigger ones are checked against
-# an empty-weight (meta) instance of their config so verification never needs the model's RAM twice.
+# Bigger merged models are checked against an empty-weight (meta) instance of their config only, without the
+# load + forward pass that would need their RAM a second time.
 FORWARD_MAX_PARAMS = 600_000_000
+# Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
+# and their merged result) plus one rank's slice of it in fp32, whatever the model's size.
+STREAM_FILE_BYTES = 512 << 20
 
 GATHER_HINT = ("each node keeps only its own ranks' shards: run `make gather NODES=\"<ip of every node>\"` "
                "here to pull them, or put CKPT_DIR on one volume mounted at the same path on every node")
@@ -46,67 +49,38 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-# --- where the shards are -----------------------------------------------------------------------
-
-@dataclass
-class Located:
-    """One saved step, resolved: the directory holding its shards and what to call the result."""
-
-    shard_dir: Path
-    run_name: str
-    step: int | None
-    layout: str  # "sft" (flat global_step_N/), "grpo" (global_step_N/actor/), or "dir" (given directly)
+def _shard_dir(saved_step: Path) -> Path:
+    actor = saved_step / "actor"  # GRPO's actor saves in global_step_N/actor/, SFT in global_step_N/
+    return actor if actor.is_dir() else saved_step
 
 
-def _has_shards(directory: Path) -> bool:
-    return directory.is_dir() and any(SHARD_RE.match(p.name) for p in directory.iterdir())
-
-
-def _step_dir_layout(step_dir: Path) -> tuple[Path, str]:
-    actor = step_dir / "actor"
-    if actor.is_dir():
-        return actor, "grpo"
-    return step_dir, "sft"
-
-
-def locate(ckpt_dir: Path, step: str | None) -> Located:
-    """Resolve CKPT_DIR + STEP to the directory of one step's shards, with one-line errors."""
+def locate(ckpt_dir: Path, step: str | None) -> tuple[Path, str, int | None]:
+    """CKPT_DIR + STEP -> (directory of one step's shards, run name, step), with one-line errors."""
     ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
     if not ckpt_dir.exists():
         raise UserError(f"CKPT_DIR {ckpt_dir} does not exist: set CKPT_DIR to the run directory that holds "
                         "global_step_N/ (on this node, or mounted here)")
-    # Given a step directory (or its actor/) directly: merge that one.
-    if STEP_RE.match(ckpt_dir.name):
-        shard_dir, layout = _step_dir_layout(ckpt_dir)
-        return Located(shard_dir, ckpt_dir.parent.name, int(STEP_RE.match(ckpt_dir.name).group(1)), layout)
     if ckpt_dir.name == "actor" and STEP_RE.match(ckpt_dir.parent.name):
-        number = int(STEP_RE.match(ckpt_dir.parent.name).group(1))
-        return Located(ckpt_dir, ckpt_dir.parent.parent.name, number, "grpo")
-    if _has_shards(ckpt_dir) or (ckpt_dir / "fsdp_config.json").exists():
-        return Located(ckpt_dir, ckpt_dir.name, None, "dir")
-
-    present = ", ".join(map(str, steps_in(ckpt_dir)))
+        ckpt_dir = ckpt_dir.parent  # a step's actor/, given directly: that step
+    if match := STEP_RE.match(ckpt_dir.name):  # a step directory, given directly
+        return _shard_dir(ckpt_dir), ckpt_dir.parent.name, int(match.group(1))
+    if scan(ckpt_dir) or (ckpt_dir / "fsdp_config.json").exists():  # a directory of shards
+        return ckpt_dir, ckpt_dir.name, None
     number = resolve_step(ckpt_dir, step)
     saved = step_dir(ckpt_dir, number)
     if not saved.is_dir():
-        raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present or 'none'} "
+        present = ", ".join(map(str, steps_in(ckpt_dir))) or "none"
+        raise UserError(f"step {number} does not exist in {ckpt_dir}: steps present: {present} "
                         "(set STEP to one of them)")
-    shard_dir, layout = _step_dir_layout(saved)
-    return Located(shard_dir, ckpt_dir.name, number, layout)
+    return _shard_dir(saved), ckpt_dir.name, number
 
-
-# --- are all ranks there? -----------------------------------------------------------------------
 
 @dataclass
 class ShardSet:
     directory: Path
     world_size: int
     files: list[Path]  # index = rank
-    sizes: list[int] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
+    total_bytes: int
 
 
 def scan(directory: Path) -> dict[int, dict[int, list[Path]]]:
@@ -122,15 +96,13 @@ def scan(directory: Path) -> dict[int, dict[int, list[Path]]]:
 
 def _ranks(ranks) -> str:
     """0,1,2,5 -> '0-2, 5': short enough for one line even with 64 ranks."""
-    ranks = sorted(ranks)
-    parts, start = [], None
-    for i, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
-            parts.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ", ".join(parts)
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def check_complete(directory: Path) -> ShardSet:
@@ -169,76 +141,46 @@ def check_complete(directory: Path) -> ShardSet:
         raise UserError(f"{directory} is incomplete: world size {world}, ranks missing: {_ranks(missing)}; "
                         f"{GATHER_HINT}")
     files = [ranks[r][0] for r in range(world)]
-    sizes = []
     for path in files:
-        size = path.stat().st_size
-        if size == 0:
+        if path.stat().st_size == 0:
             raise UserError(f"{path} is empty: the save was interrupted or the copy failed; copy it again "
                             "from its node (make gather) or merge an earlier STEP")
         # torch.save writes a zip; its directory sits at the end, so a cut-off copy fails here cheaply.
         if not zipfile.is_zipfile(path):
             raise UserError(f"{path} is corrupt (not a complete torch checkpoint; truncated copy?): copy it "
                             "again from its node (make gather) or merge an earlier STEP")
-        sizes.append(size)
     absent = [name for name in RANK0_FILES if not (directory / name).exists()]
     if absent:
         raise UserError(f"{' and '.join(absent)} missing in {directory}: rank 0's node writes them; {GATHER_HINT}")
-    return ShardSet(directory, world, files, sizes)
+    return ShardSet(directory, world, files, sum(path.stat().st_size for path in files))
 
 
-# --- merge ----------------------------------------------------------------------------------------
+def _verl_merger(shards: ShardSet, target: Path):
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
-def _remove_leftovers(out: Path) -> None:
-    """Temporaries of merges that were killed (SIGKILL, power loss) never got cleaned up: do it now."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)?")
-    for sibling in out.parent.iterdir() if out.parent.is_dir() else []:
-        match = pattern.match(sibling.name)
-        if not match:
-            continue
-        pid = int(match.group(2)) if match.group(2) else None
-        if pid is not None and pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-                continue  # its merge is still running
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-        say(f"removing {sibling.name}, left by an interrupted merge")
-        shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(missing_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    return FSDPModelMerger(ModelMergerConfig(
+        operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
+        hf_model_config_path=str(shards.directory / "huggingface")))
 
 
 def merge_with_verl(shards: ShardSet, target: Path) -> None:
     """verl's own FSDP merger, unchanged: loads every shard into RAM at once, then writes the model."""
-    from verl.model_merger.base_model_merger import ModelMergerConfig
-    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
-
-    config = ModelMergerConfig(operation="merge", backend="fsdp", local_dir=str(shards.directory),
-                               target_dir=str(target), hf_model_config_path=str(shards.directory / "huggingface"))
-    target.mkdir(parents=True, exist_ok=True)
-    merger = FSDPModelMerger(config)
+    merger = _verl_merger(shards, target)
     try:
         merger.merge_and_save()
     except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
         raise UserError(f"verl.model_merger failed on {shards.directory} ({type(exc).__name__}: "
                         f"{_one_line(exc)[:300]}): a shard may be damaged; copy it again (make gather) or "
                         "merge an earlier STEP") from None
-    merger.cleanup()
-
-
-# Output file size of the streaming merge. Peak memory is about twice this (the bf16 pieces of one file
-# and their merged result) plus one rank's slice of it in fp32, whatever the model's size.
-STREAM_FILE_BYTES = 512 << 20
 
 
 def _load_mmap(path: Path):
-    import logging
-
     import torch
 
     # Unpickling a DTensor outside its process group warns about torch.compile, once per file: noise here.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/... for a damaged file
@@ -246,103 +188,99 @@ def _load_mmap(path: Path):
                         "copy it again from its node (make gather) or merge an earlier STEP") from None
 
 
-def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
-    """verl's FSDP merge, done one output file at a time through memory-mapped shards.
+class _Ranks:
+    """Every rank's shard of one checkpoint, memory-mapped, merged a few keys at a time as verl merges them."""
 
-    verl.model_merger loads every rank's whole state dict before merging (peak: about the fp32 model).
-    Here the tensors of one output file are read from memory-mapped shards, a few ranks at a time (each
-    mapping is dropped once its pieces are cast, so its pages leave memory), merged, and written with
-    safetensors before the next file starts. The per-tensor work is verl's own (`.bfloat16()` of each
-    local shard, FSDPModelMerger._merge_by_placement, merge_non_dtensor_shards, save_lora_adapter,
-    drop_tied_target_keys), so the tensors are bit-identical to verl's output (tests/test_checkpoints.py
-    and scripts/bench_merge.sh check that).
-    """
-    from concurrent.futures import ThreadPoolExecutor
+    def __init__(self, merger, shards: ShardSet):
+        self.merger, self.files = merger, shards.files
+        self.world = merger._get_world_size()
+        self.workers = max(1, min(4, os.cpu_count() or 1, self.world))
+        rank0 = _load_mmap(shards.files[0])
+        mesh, self.mesh_dim_names = merger._extract_device_mesh_info(rank0, self.world)
+        total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, self.mesh_dim_names)
+        if total_shards != self.world or len(mesh_shape) != 1:
+            raise UserError(f"device mesh {self.mesh_dim_names} of shape {tuple(mesh.shape)} in {shards.directory}: "
+                            "only FSDP (optionally with DDP) checkpoints merge here; try --engine verl")
+        self.keys = list(rank0)
+        self.sizes = {k: rank0[k].numel() * 2 for k in self.keys}  # bf16 bytes, merged (DTensor.numel is global)
+        del rank0
+        for path in shards.files[1:]:  # every rank readable and alike before anything is written (cheap: mmap)
+            other = set(_load_mmap(path))
+            if other != set(self.keys):
+                odd = sorted(other ^ set(self.keys))[0]
+                raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
+                                "different runs; gather this run's shards")
 
-    import torch
-    from accelerate import init_empty_weights
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-    from tqdm import tqdm
-
-    from verl.model_merger.base_model_merger import ModelMergerConfig
-    from verl.model_merger.fsdp_model_merger import FSDPModelMerger, merge_non_dtensor_shards
-    from verl.model_merger.output_validation import validate_hf_model_output
-    from verl.utils import hf_processor, hf_tokenizer
-    from verl.utils.transformers_compat import drop_tied_target_keys
-
-    target.mkdir(parents=True, exist_ok=True)
-    merger = FSDPModelMerger(ModelMergerConfig(
-        operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
-        hf_model_config_path=str(shards.directory / "huggingface")))
-    if not merger.model_config.architectures:
-        raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
-                        "config.json of the model you trained into it (with \"architectures\")")
-    world = merger._get_world_size()
-    workers = max(1, min(4, os.cpu_count() or 1, world))
-    rank0 = _load_mmap(shards.files[0])
-    mesh, mesh_dim_names = merger._extract_device_mesh_info(rank0, world)
-    total_shards, mesh_shape = merger._calculate_shard_configuration(mesh, mesh_dim_names)
-    if total_shards != world or len(mesh_shape) != 1:
-        raise UserError(f"device mesh {mesh_dim_names} of shape {tuple(mesh.shape)} in {shards.directory}: only "
-                        "FSDP (optionally with DDP) checkpoints merge here; try --engine verl")
-    keys = list(rank0)
-    sizes = {k: rank0[k].numel() * 2 for k in keys}  # bf16 bytes of the merged tensor (DTensor.numel is global)
-    del rank0
-    for path in shards.files[1:]:  # every rank readable and alike before anything is written (cheap: mmap)
-        other = set(_load_mmap(path))
-        if other != set(keys):
-            odd = sorted(other ^ set(keys))[0]
-            raise UserError(f"{path} and rank 0 hold different tensors (e.g. {odd}): the shards come from "
-                            "different runs; gather this run's shards")
-
-    def rank_pieces(path: Path, keys_wanted: list[str]) -> dict[str, tuple]:
+    def _pieces(self, path: Path, keys: list[str]) -> dict[str, tuple]:
         """key -> (bf16 local piece, placements) of one rank; its mapping is dropped on return."""
+        from torch.distributed.tensor import DTensor
+
         state = _load_mmap(path)
         result = {}
-        for key in keys_wanted:
+        for key in keys:
             value = state[key]
             if isinstance(value, DTensor):
                 placements = tuple(value.placements)
-                if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl does
+                if self.mesh_dim_names[0] in ("dp", "ddp"):  # replicated over data parallel: dropped, as verl does
                     placements = placements[1:]
                 result[key] = (value._local_tensor.bfloat16(), placements)
             else:
                 result[key] = (value.bfloat16(), None)
         return result  # `state` goes out of scope: the file is unmapped and its pages leave memory
 
-    def pieces_of(keys_wanted: list[str], bar=None) -> dict[str, list]:
-        """key -> [(bf16 local piece, placements) per rank in rank order]."""
-        pieces: dict[str, list] = {k: [] for k in keys_wanted}
-        per_rank = sum(sizes[k] for k in keys_wanted) // world
+    def merged(self, keys: list[str], bar=None) -> dict:
+        """key -> its merged bf16 tensor; `bar` advances by each rank's share as it is read."""
+        from verl.model_merger.fsdp_model_merger import merge_non_dtensor_shards
+
+        pieces: dict[str, list] = {k: [] for k in keys}  # key -> [(piece, placements) per rank, in rank order]
+        per_rank = sum(self.sizes[k] for k in keys) // self.world
         # A few ranks at once, as verl loads its shards: the casts release the GIL, and only `workers`
         # mappings are open at a time, so memory grows by a few ranks' slices only.
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for result in pool.map(lambda path: rank_pieces(path, keys_wanted), shards.files):
-                for key in keys_wanted:
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for result in pool.map(lambda path: self._pieces(path, keys), self.files):
+                for key in keys:
                     pieces[key].append(result[key])
                 if bar is not None:
                     bar.update(per_rank)
-        return pieces
+        merged = {}
+        for key in keys:
+            parts = pieces.pop(key)
+            tensors, placements = [t for t, _ in parts], parts[0][1]
+            if placements is None:
+                merged[key] = merge_non_dtensor_shards(key, tensors)
+            elif any(p != placements for _, p in parts):
+                raise UserError(f"ranks disagree on how {key} is sharded: the shards come from different runs")
+            else:
+                merged[key] = self.merger._merge_by_placement(tensors, placements[0])
+        return merged
 
-    def merge_one(key: str, parts: list) -> torch.Tensor:
-        placements = parts[0][1]
-        if placements is None:
-            return merge_non_dtensor_shards(key, [t for t, _ in parts])
-        if any(p != placements for _, p in parts):
-            raise UserError(f"ranks disagree on how {key} is sharded: the shards come from different runs")
-        return merger._merge_by_placement([t for t, _ in parts], placements[0])
 
+def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FILE_BYTES) -> None:
+    """verl's FSDP merge, one output file at a time: verl.model_merger holds every rank's whole state dict at
+    once (about the fp32 model); here only one file's tensors are read, merged and written before the next.
+    The per-tensor work is verl's own, so the tensors are bit-identical to verl's (tests/test_checkpoints.py
+    and scripts/bench_merge.sh check that)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    from verl.model_merger.output_validation import validate_hf_model_output
+    from verl.utils import hf_processor, hf_tokenizer
+    from verl.utils.transformers_compat import drop_tied_target_keys
+
+    merger = _verl_merger(shards, target)
+    if not merger.model_config.architectures:
+        raise UserError(f"{shards.directory / 'huggingface' / 'config.json'} names no architecture: copy "
+                        "config.json of the model you trained into it (with \"architectures\")")
+    ranks = _Ranks(merger, shards)
     # Names as verl writes them: LoRA weights split off into lora_adapter/ (verl's save_lora_adapter renames
     # the base keys), then tied aliases (lm_head.weight) dropped. Placeholder values carry the source key.
-    names: dict[str, object] = {k: k for k in keys}
-    lora_keys = [k for k in keys if "lora_" in k]
+    names: dict[str, object] = {k: k for k in ranks.keys}
+    lora_keys = [k for k in ranks.keys if "lora_" in k]
     if lora_keys:
-        if len(lora_keys) == len(keys):
+        if len(lora_keys) == len(ranks.keys):
             raise UserError(f"{shards.directory} holds only LoRA weights (checkpoint.save_lora_only=True): there is "
                             "no base model to merge into; save full checkpoints, or load the adapter with PEFT")
-        for key, parts in pieces_of(lora_keys).items():
-            names[key] = merge_one(key, parts)
+        names.update(ranks.merged(lora_keys))
         merger.save_lora_adapter(names)
     with init_empty_weights():
         model = merger.get_transformers_auto_model_class().from_config(
@@ -350,51 +288,51 @@ def merge_streaming(shards: ShardSet, target: Path, file_bytes: int = STREAM_FIL
     model = merger.patch_model_generation_config(model)
     drop_tied_target_keys(names, model, merger.model_config)
     plan = [(name, source) for name, source in names.items() if isinstance(source, str)]
-
-    # Output files of about file_bytes each, tensors in the model's own order.
-    groups: list[list[tuple[str, str]]] = [[]]
-    filled = 0
-    for name, source in plan:
-        if groups[-1] and filled + sizes[source] > file_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append((name, source))
-        filled += sizes[source]
-    single = len(groups) == 1
-    files = ["model.safetensors"] if single else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map: dict[str, str] = {}
-    total = sum(sizes[source] for _, source in plan)
-    # disable=None: a bar on a terminal, nothing in logs (so a failure midway stays one line there)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {world} FSDP shards", disable=None) as bar:
-        for group, filename in zip(groups, files):
-            before = bar.n
-            pieces = pieces_of([source for _, source in group], bar)
-            out: dict[str, torch.Tensor] = {}
-            for name, source in group:
-                out[name] = merge_one(source, pieces.pop(source))
-                weight_map[name] = filename
-            del pieces
-            save_file(out, str(target / filename), metadata={"format": "pt"})
-            del out
-            bar.update(before + sum(sizes[source] for _, source in group) - bar.n)
-    if not single:
-        index = {"metadata": {"total_parameters": sum(p.numel() for p in model.parameters()), "total_size": total},
-                 "weight_map": weight_map}
-        # the same index transformers' save_pretrained writes for a sharded model
-        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_weights(ranks, plan, target, file_bytes, sum(p.numel() for p in model.parameters()))
     # config + generation config as save_pretrained writes them for this bf16 model (what verl's merger calls)
     model.config.dtype = "bfloat16"
     model.config.architectures = [model.__class__.__name__]
     model.config.save_pretrained(target)
     if model.can_generate():
         model.generation_config.save_pretrained(target)
-    processor = hf_processor(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
-    tokenizer = hf_tokenizer(merger.hf_model_config_path, trust_remote_code=merger.config.trust_remote_code)
-    for artefact in (processor, tokenizer):
+    trust = merger.config.trust_remote_code
+    for artefact in (hf_processor(merger.hf_model_config_path, trust_remote_code=trust),
+                     hf_tokenizer(merger.hf_model_config_path, trust_remote_code=trust)):
         if artefact is not None:
             artefact.save_pretrained(target)
     validate_hf_model_output(target)
+
+
+def _write_weights(ranks: _Ranks, plan: list[tuple[str, str]], target: Path, file_bytes: int, n_params: int) -> None:
+    """`plan` (name, source key) as safetensors files of about file_bytes each, in the model's own order."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    groups: list[list[tuple[str, str]]] = [[]]
+    filled = 0
+    for name, source in plan:
+        if groups[-1] and filled + ranks.sizes[source] > file_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, source))
+        filled += ranks.sizes[source]
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    total = sum(ranks.sizes[source] for _, source in plan)
+    # disable=None: a bar on a terminal, nothing in logs (so a failure midway stays one line there)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Merging {ranks.world} FSDP shards", disable=None) as bar:
+        for group, filename in zip(groups, files):
+            before = bar.n
+            merged = ranks.merged([source for _, source in group], bar)
+            out = {name: merged.pop(source) for name, source in group}
+            save_file(out, str(target / filename), metadata={"format": "pt"})
+            del out
+            weight_map.update((name, filename) for name, _ in group)
+            bar.update(before + sum(ranks.sizes[source] for _, source in group) - bar.n)
+    if len(files) > 1:  # the same index transformers' save_pretrained writes for a sharded model
+        index = {"metadata": {"total_parameters": n_params, "total_size": total}, "weight_map": weight_map}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _auto_class(config):
@@ -404,23 +342,11 @@ def _auto_class(config):
     return BaseModelMerger.get_transformers_auto_model_class(argparse.Namespace(model_config=config))
 
 
-def _saved_tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) from the safetensors headers only (no tensor is read)."""
-    from safetensors import safe_open
-
-    result = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                result[name] = (tuple(piece.get_shape()), piece.get_dtype())
-    return result
-
-
-def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> str:
+def verify(directory: Path) -> str:
     """Prove the merged model is usable: complete files, names/shapes as its config, tokenizer, forward."""
     import torch
     from accelerate import init_empty_weights
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     from verl.model_merger.output_validation import validate_hf_model_output
@@ -438,10 +364,14 @@ def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> 
     drop_tied_target_keys(expected, empty, config)
     n_params = sum(p.numel() for p in empty.parameters())
     del empty
-    saved = _saved_tensors(directory)
+    saved = {}  # name -> shape, from the safetensors headers only (no tensor is read)
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                saved[name] = tuple(handle.get_slice(name).get_shape())
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
-    wrong = sorted(n for n in set(expected) & set(saved) if expected[n] != saved[n][0])
+    wrong = sorted(n for n in set(expected) & set(saved) if expected[n] != saved[n])
     if missing or extra or wrong:
         parts = []
         if missing:
@@ -449,20 +379,19 @@ def verify(directory: Path, *, forward_max_params: int = FORWARD_MAX_PARAMS) -> 
         if extra:
             parts.append(f"{len(extra)} unexpected (e.g. {extra[0]})")
         if wrong:
-            parts.append(f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]][0]} "
+            parts.append(f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]]} "
                          f"vs {expected[wrong[0]]} in config.json)")
         raise UserError(f"merged weights do not match config.json: {', '.join(parts)}; the shards and "
                         "huggingface/config.json come from different models")
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if not getattr(tokenizer, "chat_template", None):
         warn(f"{directory} has no chat template: chat-style prompts (GRPO, eval) will not format")
-    if n_params > forward_max_params:
+    if n_params > FORWARD_MAX_PARAMS:
         return f"{len(saved)} tensors match config.json ({n_params / 1e9:.2f}B parameters; forward skipped)"
     model = auto_class.from_pretrained(directory, dtype=torch.float32)
     if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer("What is 2 + 3?", return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -497,9 +426,8 @@ def fold_lora(directory: Path) -> None:
 
 
 def merged_bytes(shards: ShardSet) -> int:
-    """About what a merge of `shards` writes: the weights in bf16 (verl's merger casts to it), a tied alias
-    (lm_head.weight of a model that ties it to its embedding) once; a LoRA merge keeps the base model beside
-    the folded one: twice that. From rank 0's memory-mapped shard (a DTensor's numel is the global count)."""
+    """About what a merge writes: the weights in bf16 (verl's merger casts to it), a tied lm_head.weight once;
+    twice that for LoRA (the base model is kept beside the folded one). A DTensor's numel is the global count."""
     from transformers import AutoConfig
 
     state = _load_mmap(shards.files[0])
@@ -519,26 +447,25 @@ def merged_bytes(shards: ShardSet) -> int:
 def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engine: str = "stream",
           file_bytes: int = STREAM_FILE_BYTES) -> Path:
     """Check, merge into a temporary directory, verify, then rename into OUT_DIR. Returns OUT_DIR."""
-    where = locate(ckpt_dir, step)
-    shards = check_complete(where.shard_dir)
-    out = resolved(out or merged_model_dir(where.run_name, where.step), "OUT_DIR")
+    shard_dir, run_name, number = locate(ckpt_dir, step)
+    shards = check_complete(shard_dir)
+    out = resolved(out or merged_model_dir(run_name, number), "OUT_DIR")
     if out.exists() and not force:
         raise UserError(f"OUT_DIR {out} already exists: set FORCE=1 to replace it, or choose another OUT_DIR")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT_DIR {out} is a file: choose a directory path for OUT_DIR")
-    _remove_leftovers(out)
+    for left in sweep_stale_temporaries(out):  # atomic_path would too, silently: say what a killed merge left
+        say(f"removed {left.name}, left by an interrupted merge")
     needed = merged_bytes(shards)
-    say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {where.shard_dir} "
+    say(f"merging {shards.world_size} shards ({shards.total_bytes / 2**30:.2f} GiB) of {shard_dir} "
         f"into {out} (about {needed / 2**30:.2f} GiB)")
     # a full OUT_DIR disk is refused before minutes of merging, and is one line (NoRoom) if it fills anyway
     with atomic_path(out, "OUT_DIR", needed=needed, what="the merged model",
                      needs="its weights alone need about") as tmp:
         if engine == "verl":
             merge_with_verl(shards, tmp)
-        elif engine == "stream":
-            merge_streaming(shards, tmp, file_bytes=file_bytes)
         else:
-            raise UserError(f"unknown merge engine {engine!r}: choose stream or verl")
+            merge_streaming(shards, tmp, file_bytes=file_bytes)
         if (tmp / "lora_adapter").is_dir():
             fold_lora(tmp)
         say("verifying the merged model")
@@ -546,8 +473,6 @@ def merge(ckpt_dir: Path, step: str | None, out: Path | None, force: bool, engin
     say(f"merged model in {out}: {summary}")
     return out
 
-
-# --- gather ---------------------------------------------------------------------------------------
 
 @dataclass
 class Node:
@@ -565,11 +490,8 @@ class Node:
 def parse_nodes(text: str, local_run: Path, environ: dict[str, str] | None = None) -> list[Node]:
     nodes = []
     for spec in text.replace(",", " ").split():
-        if ":" in spec:
-            host, path = spec.split(":", 1)
-            nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
-        else:  # the usual case: identical absolute paths on every node
-            nodes.append(Node(spec, spec, str(local_run), dict(environ or {})))
+        host, _, path = spec.partition(":")  # no RUN_DIR, the usual case: the same absolute path on every node
+        nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
     return nodes
 
 
@@ -584,8 +506,6 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, int
            needed: int | None = None) -> str | None:
     """rsync over ssh; a one-line UserError on failure, or None if missing_ok and the source does not exist.
     `into`: the local file it writes (its directory named, with `needed` bytes, when that disk is full)."""
-    import subprocess
-
     if shutil.which("rsync") is None:
         raise UserError("rsync is not installed on this node: install it (apt-get install rsync openssh-client)")
     cmd = ["rsync"]
@@ -634,8 +554,7 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, int
 
 def _listing(node: Node, relative: str) -> dict[str, int] | None:
     """relative path -> size of the files under RUN_DIR/relative on the node; None if it is not there."""
-    url = node.url(relative.rstrip("/") + "/")
-    out = _rsync(["-r", "--list-only", url], node, f"list {relative}", missing_ok=True)
+    out = _rsync(["-r", "--list-only", node.url(relative.rstrip("/") + "/")], node, f"list {relative}", missing_ok=True)
     if out is None:
         return None
     files = {}
@@ -648,8 +567,6 @@ def _listing(node: Node, relative: str) -> dict[str, int] | None:
 
 def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -> None:
     """rsync one file; the bar follows rsync's temporary file (.NAME.XXXXXX) as it grows."""
-    import threading
-
     dest.parent.mkdir(parents=True, exist_ok=True)
     done = threading.Event()
     start = bar.n
@@ -672,10 +589,61 @@ def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -
                         "during the copy (is training still saving?); rerun make gather once the save is done")
 
 
+def _latest_on_nodes(nodes: list[Node]) -> int:
+    """Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it."""
+    numbers = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, node in enumerate(nodes):
+            if LATEST_FILE in (_listing(node, "") or {}):
+                _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
+                number = latest_step(Path(tmp, str(i)))
+                if number is not None:
+                    numbers.append(number)
+    if not numbers:
+        raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
+                        "set STEP=N (the global_step_N to gather)")
+    return max(numbers)
+
+
+def _to_copy(nodes: list[Node], local_step: Path, spec: int) -> tuple[dict[str, tuple[Node, int]], str]:
+    """relative path -> (node, size) of each shard and rank-0 file of the step this node lacks, and the
+    GRPO layout's "actor/" prefix (or ""); a file that differs between nodes is refused, as are mixed worlds."""
+    local_files = {str(p.relative_to(local_step)): p.stat().st_size
+                   for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
+    holdings = {node.spec: _listing(node, local_step.name) or {} for node in nodes}
+    held = [rel for files in (local_files, *holdings.values()) for rel in files]
+    prefix = "actor/" if any(rel.startswith("actor/") for rel in held) else ""  # GRPO layout
+    worlds: dict[int, set[str]] = {}  # world size -> where shards of it are
+    for rel in local_files:
+        if match := SHARD_RE.match(rel[len(prefix):]):
+            worlds.setdefault(int(match.group(1)), set()).add("this node")
+    wanted: dict[str, tuple[Node, int]] = {}
+    for node in nodes:
+        for rel, size in holdings[node.spec].items():
+            name = rel[len(prefix):]
+            match = SHARD_RE.match(name)
+            rank0_file = name in ("fsdp_config.json", "lora_train_meta.json") or name.startswith("huggingface/")
+            if not rel.startswith(prefix) or not (match or rank0_file):
+                continue  # optimizer and extra state: not needed to merge
+            if match:
+                worlds.setdefault(int(match.group(1)), set()).add(node.spec)
+            if match and rel in local_files and local_files[rel] != size:
+                raise UserError(f"{prefix}{name} differs between this node ({local_files[rel]} bytes) and "
+                                f"{node.spec} ({size} bytes): one is from an older run; remove the stale copy")
+            if match and rel in wanted and wanted[rel][1] != size:
+                raise UserError(f"{rel} is on both {wanted[rel][0].spec} and {node.spec} with different sizes: "
+                                "one is from an older run; remove the stale copy")
+            if rel not in local_files:
+                wanted.setdefault(rel, (node, size))
+    if len(worlds) > 1:
+        detail = "; ".join(f"world size {w} on {', '.join(sorted(where))}" for w, where in sorted(worlds.items()))
+        raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
+                        "run; remove them")
+    return wanted, prefix
+
+
 def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: dict[str, str] | None = None) -> Path:
     """Pull the shards of one step from every node into this node's run directory; return its shard dir."""
-    import tempfile
-
     from tqdm import tqdm
 
     ckpt_dir = resolved(ckpt_dir, "CKPT_DIR")
@@ -685,129 +653,59 @@ def gather(ckpt_dir: Path, step: str | None, nodes_text: str | None, environ: di
                         "the run, and NODES=\"host1 host2\" to the nodes that hold its shards")
     spec = step if isinstance(step, int) else latest_step(ckpt_dir)
     if spec is None:
-        # Only rank 0's node has the trainer's pointer to the latest step: read it from whichever has it.
-        numbers = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, node in enumerate(nodes):
-                if LATEST_FILE in (_listing(node, "") or {}):
-                    _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
-                    numbers += [n] if (n := latest_step(Path(f"{tmp}/{i}"))) is not None else []
-        if not numbers:
-            raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
-                            "set STEP=N (the global_step_N to gather)")
-        spec = max(numbers)
+        spec = _latest_on_nodes(nodes)
     local_step = step_dir(ckpt_dir, spec)
-    step_rel = local_step.name
-    local_shards = _step_dir_layout(local_step)[0] if local_step.is_dir() else local_step
-    try:
+    local_shards = _shard_dir(local_step)
+    with contextlib.suppress(UserError):
         shards = check_complete(local_shards)
         say(f"all {shards.world_size} ranks of step {spec} are already in {local_shards} (a shared volume, or "
             "gathered before): nothing to do")
         return local_shards
-    except UserError:
-        pass
     if not nodes:
         raise UserError(f"{local_shards} lacks shards from other nodes and NODES is empty: set NODES=\"<ip of "
                         "every node>\" (ssh access from here) or use a shared volume")
-
-    # What each node holds (including this one) for this step.
-    holdings: dict[str, dict[str, int]] = {}
-    local_files = {str(p.relative_to(local_step)): p.stat().st_size
-                   for p in local_step.rglob("*") if p.is_file()} if local_step.is_dir() else {}
-    for node in nodes:
-        holdings[node.spec] = _listing(node, step_rel) or {}
-    held = [rel for files in (local_files, *holdings.values()) for rel in files]
-    prefix = "actor/" if any(rel.startswith("actor/") for rel in held) else ""  # GRPO layout
-    wanted: dict[str, tuple[Node, int]] = {}  # relative path -> (node, size)
-    worlds: dict[int, set[str]] = {}
-    for node in nodes:
-        for rel, size in holdings[node.spec].items():
-            name = rel[len(prefix):] if rel.startswith(prefix) else None
-            if name is None:
-                continue
-            match = SHARD_RE.match(name)
-            rank0_file = name in ("fsdp_config.json", "lora_train_meta.json") or name.startswith("huggingface/")
-            if not (match or rank0_file):
-                continue  # optimizer and extra state: not needed to merge
-            if match:
-                worlds.setdefault(int(match.group(1)), set()).add(node.spec)
-            if rel in local_files:
-                if match and local_files[rel] != size:
-                    raise UserError(f"{prefix}{name} differs between this node ({local_files[rel]} bytes) and "
-                                    f"{node.spec} ({size} bytes): one is from an older run; remove the stale copy")
-                continue
-            if rel in wanted and wanted[rel][1] != size:
-                if match:
-                    raise UserError(f"{rel} is on both {wanted[rel][0].spec} and {node.spec} with different sizes: "
-                                    "one is from an older run; remove the stale copy")
-                continue
-            wanted.setdefault(rel, (node, size))
-    local_worlds = {int(m.group(1)) for rel in local_files if (m := SHARD_RE.match(rel[len(prefix):]))}
-    all_worlds = set(worlds) | local_worlds
-    if len(all_worlds) > 1:
-        where = {w: sorted(worlds.get(w, set()) | ({"this node"} if w in local_worlds else set())) for w in all_worlds}
-        detail = "; ".join(f"world size {w} on {', '.join(where[w])}" for w in sorted(where))
-        raise UserError(f"step {spec} has shards of different world sizes ({detail}): stale shards from another "
-                        "run; remove them")
+    wanted, prefix = _to_copy(nodes, local_step, spec)
     total = sum(size for _, size in wanted.values())
     check_room(local_step, total, "CKPT_DIR", f"the {len(wanted)} files of step {spec}", "they need")
     say(f"gathering {len(wanted)} files ({total / 2**30:.2f} GiB) of step {spec} from "
         f"{len({n.spec for n, _ in wanted.values()})} node(s) into {local_step}")
     with tqdm(total=total, unit="B", unit_scale=True, desc="Gathering shards", disable=None) as bar:  # as merge's
         for rel, (node, size) in sorted(wanted.items()):
-            _copy_with_progress(node, f"{step_rel}/{rel}", local_step / rel, size, bar)
+            _copy_with_progress(node, f"{local_step.name}/{rel}", local_step / rel, size, bar)
     if not (ckpt_dir / LATEST_FILE).is_file():
         with atomic_path(ckpt_dir / LATEST_FILE) as tmp:
             tmp.write_text(str(spec))
-    shards = check_complete(local_step / prefix if prefix else local_step)
+    shards = check_complete(local_step / prefix)
     say(f"all {shards.world_size} ranks of step {spec} are in {shards.directory}: next, make merge STEP={spec}")
     return shards.directory
 
 
-# --- CLI ------------------------------------------------------------------------------------------
-
-def _refuse_loops(ckpt_dir: str | None, settings: Settings) -> None:
-    """A CKPT_DIR through a symlink loop, one line naming it (default_run_dir resolves it: RuntimeError)."""
-    path = ckpt_dir or settings["CKPT_DIR"]
-    if path:
-        refuse_symlink_loop(path, "CKPT_DIR")
-
-
-def _merge_main(argv: list[str], settings: Settings) -> int:
-    parser = ArgParser(prog="python -m app merge", description=merge.__doc__)
-    parser.add_argument("--ckpt-dir", default=None, help="run directory (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
-    parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
-    parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
-    parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
-                        help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
-                             "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
-    parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
-                        help="size of each output safetensors file (stream engine; memory is about twice it)")
-    args = parser.parse_args(argv)
-    _refuse_loops(args.ckpt_dir, settings)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
-    merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
-          file_bytes=int(args.file_mb * 2**20))
-    return 0
-
-
-def _gather_main(argv: list[str], settings: Settings) -> int:
-    parser = ArgParser(prog="python -m app gather", description=gather.__doc__)
-    parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
-    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg, help="step number or latest (STEP)")
-    parser.add_argument("--nodes", default=settings["NODES"],
-                        help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; RUN_DIR defaults to the same path as here)')
-    args = parser.parse_args(argv)
-    _refuse_loops(args.ckpt_dir, settings)
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
-    gather(ckpt_dir, args.step, args.nodes, settings.environ())
-    return 0
-
-
 def main(command: str, argv: list[str], settings: Settings) -> int:
+    if command not in ("merge", "gather"):
+        raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")
+    parser = ArgParser(prog=f"python -m app {command}", description=(merge if command == "merge" else gather).__doc__)
+    parser.add_argument("--ckpt-dir", default=None, help="run directory here (default: CKPT_DIR or the job's)")
+    parser.add_argument("--step", default=settings.get("STEP", "latest"), type=step_arg,
+                        help="step number or latest (STEP)")
     if command == "merge":
-        return _merge_main(argv, settings)
+        parser.add_argument("--out", default=settings["OUT_DIR"], help="output directory (OUT_DIR)")
+        parser.add_argument("--force", action="store_true", default=settings["FORCE"], help="replace OUT_DIR")
+        parser.add_argument("--engine", default="stream", choices=["stream", "verl"],
+                            help="stream (default): verl's merge tensor by tensor through memory-mapped shards, "
+                                 "bit-identical, a fraction of the memory; verl: verl.model_merger as is")
+        parser.add_argument("--file-mb", type=float, default=STREAM_FILE_BYTES / 2**20,
+                            help="size of each output safetensors file (stream engine; memory is about twice it)")
+    else:
+        parser.add_argument("--nodes", default=settings["NODES"], help='NODES: "ip1 ip2 ..." ([user@]host[:RUN_DIR]; '
+                            "RUN_DIR defaults to the same path as here)")
+    args = parser.parse_args(argv)
+    path = args.ckpt_dir or settings["CKPT_DIR"]
+    if path:  # a symlink loop, in one line naming it (default_run_dir resolves it: RuntimeError)
+        refuse_symlink_loop(path, "CKPT_DIR")
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else default_run_dir(settings)
     if command == "gather":
-        return _gather_main(argv, settings)
-    raise UserError(f"unknown checkpoint command {command!r}: use gather or merge")
+        gather(ckpt_dir, args.step, args.nodes, settings.environ())
+    else:
+        merge(ckpt_dir, args.step, Path(args.out) if args.out else None, args.force, engine=args.engine,
+              file_bytes=int(args.file_mb * 2**20))
+    return 0
