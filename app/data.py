@@ -482,6 +482,41 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
     return lengths
 
 
+def check_run_data(spec, notes: list[str], warnings: list[str]) -> bool:
+    """The run's data files (app.spec's composed config) as verl will meet them: each one readable in the job's
+    schema, val apart from train, a batch of rows at least (verl drops the last partial batch: SFT then divides by
+    zero, GRPO asserts an empty loader), SFT lengths and GRPO prompt lengths as verl counts them. Returns True where
+    verl's prompt filter can be turned off (check_prompt_lengths)."""
+    kind = "sft" if spec.job == "sft" else "rl"
+    reports = {}
+    for split in ("train", "val"):
+        for path in spec.files(split):
+            if not path.exists():
+                raise UserError(f"{split} file {path} does not exist: run `make prep` (DATA_DIR={path.parent.parent}) "
+                                f"or set {'TRAIN_FILE' if split == 'train' else 'VAL_FILE'} to your parquet")
+            report = reports[path] = check_parquet(path, kind)
+            notes.append(f"{split} file: {path} ({report.rows} rows, {kind})")
+            warnings += list(report.notes)
+    train, val = spec.files("train"), spec.files("val")
+    warnings += [overlap for t in train for v in val if (overlap := compare_splits(reports[t], reports[v]))]
+    filter_off = False
+    if spec.job == "sft":
+        check_sft_lengths(spec, train, warnings)
+        if not val:
+            warnings.append("no validation file: SFT runs without val/loss (VAL_FILE, or DATA_DIR's test.parquet)")
+    else:
+        if not val:
+            raise UserError("data.val_files is empty, but verl 0.9.1's GRPO always builds its val dataset: keep a val "
+                            "file (VAL_FILE, or DATA_DIR's test.parquet)")
+        filter_off = check_prompt_lengths(spec, [("train", p) for p in train] + [("val", p) for p in val], notes,
+                                          warnings)
+    rows, batch = sum(reports[p].rows for p in train), spec.get("data.train_batch_size")
+    if rows < batch:
+        raise UserError(f"{rows} train rows, fewer than data.train_batch_size={batch}: no step would run; use more "
+                        f"rows or a smaller batch, e.g. ARGS='data.train_batch_size={rows}'")
+    return filter_off
+
+
 def check_sft_lengths(spec, files: list[Path], warnings: list[str]) -> None:
     """SFT conversations against data.max_length, counted with the chat template verl's SFT dataset uses: verl cuts
     a longer one where data.truncation says (the profile: right, its answer off) or stops the run (error). Refused

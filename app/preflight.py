@@ -15,6 +15,7 @@ from pathlib import Path
 from app import perf, spec as specs
 from app.common import ArgParser, UserError, directory_problem, say, warn
 from app.settings import BY_NAME, NODE_FACTS, RAY_ADDRESS_KEY, Settings, owned_in, owned_keys
+from app.data import check_run_data
 from app.timeline import started_at
 from app.spec import BASE_CONFIG, FILTER_KEY, VLLM_EXECUTOR_KEY, Spec
 
@@ -295,43 +296,6 @@ def choose_vllm_executor(spec: Spec, notes: list[str]) -> None:
     notes.append("vLLM executor: uni (its model worker runs inside the EngineCore: one process fewer to start)")
 
 
-def check_data(spec: Spec, notes: list[str], warnings: list[str]) -> None:
-    from app.data import check_parquet, check_prompt_lengths, compare_splits
-
-    kind = "sft" if spec.job == "sft" else "rl"
-    reports = {}
-    for split in ("train", "val"):
-        for path in spec.files(split):
-            if not path.exists():
-                setting = "TRAIN_FILE" if split == "train" else "VAL_FILE"
-                raise UserError(f"{split} file {path} does not exist: run `make prep` (DATA_DIR={path.parent.parent}) "
-                                f"or set {setting} to your parquet")
-            report = reports[path] = check_parquet(path, kind)
-            notes.append(f"{split} file: {path} ({report.rows} rows, {kind})")
-            warnings += list(report.notes)
-    train, val = spec.files("train"), spec.files("val")
-    for t in train:
-        for v in val:
-            overlap = compare_splits(reports[t], reports[v])
-            warnings += [overlap] if overlap else []
-    rows, batch = sum(reports[p].rows for p in train), spec.get("data.train_batch_size")
-    if rows < batch:  # verl drops the last partial batch: SFT then divides by zero, GRPO asserts an empty loader
-        raise UserError(f"{rows} train rows, fewer than data.train_batch_size={batch}: no step would run; use more "
-                        f"rows or a smaller batch, e.g. ARGS='data.train_batch_size={rows}'")
-    if spec.job == "sft":
-        from app.data import check_sft_lengths
-
-        check_sft_lengths(spec, train, warnings)
-    if not val and spec.job == "sft":
-        warnings.append("no validation file: SFT runs without val/loss (VAL_FILE, or DATA_DIR's test.parquet)")
-    if spec.job == "grpo":
-        if not val:
-            raise UserError("data.val_files is empty, but verl 0.9.1's GRPO always builds its val dataset: keep a val "
-                            "file (VAL_FILE, or DATA_DIR's test.parquet)")
-        if check_prompt_lengths(spec, [("train", p) for p in train] + [("val", p) for p in val], notes, warnings):
-            spec.choose(FILTER_KEY, False)  # under CONFIG and ARGS, which check_prompt_lengths saw leave it alone
-
-
 def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = False) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
     deep=True also runs verl's own checks, which import verl (seconds, no GPU needed). gpus=True (a real
@@ -351,7 +315,8 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     plan.notes += perf.notes_for(spec.notes, spec)
     check_config(spec, plan.notes, plan.warnings)
     perf.check_budgets(spec)
-    check_data(spec, plan.notes, plan.warnings)
+    if check_run_data(spec, plan.notes, plan.warnings):
+        spec.choose(FILTER_KEY, False)  # under CONFIG and ARGS, which the count saw leave it alone
     if job == "grpo":
         choose_vllm_executor(spec, plan.notes)
     if deep:
