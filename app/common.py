@@ -83,14 +83,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_temporaries(final: Path) -> None:
+def sweep_stale_temporaries(final: Path) -> list[Path]:
     """Remove the `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `final` that atomic_path left behind when
-    killed (SIGKILL, OOM, power loss); a live process's (a concurrent run) are kept."""
-    prefix = f".{final.name}."
+    killed (SIGKILL, OOM, power loss), and return them; a live process's (a concurrent run) are kept."""
+    prefix, removed = f".{final.name}.", []
     try:
         siblings = list(final.parent.iterdir())
     except OSError:
-        return
+        return removed
     for sibling in siblings:
         if not sibling.name.startswith(prefix):
             continue
@@ -103,6 +103,8 @@ def sweep_stale_temporaries(final: Path) -> None:
                 shutil.rmtree(sibling)
             else:
                 sibling.unlink()
+            removed.append(sibling)
+    return removed
 
 
 def writable_dir(directory: Path, setting: str | None = None) -> Path:

@@ -366,12 +366,10 @@ def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]
 
 
 def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], warnings: list[str]) -> bool:
-    """Count the RL prompts' tokens with the tokenizer and chat template verl will use (app.spec's composed config).
-    verl 0.9.1 left-truncates a prompt longer than actor_rollout_ref.rollout.prompt_length
-    (agent_loop._cap_text_prompt_length; data.truncation is unused on the RL path): such a prompt is refused. Its
-    filter drops rows over data.max_prompt_length: said, and refused where less than a batch (or no val row) is
-    left. True where the filter is on, every prompt fits and neither CONFIG nor ARGS set it: then it can be
-    turned off (verl counts row by row at every start)."""
+    """The RL prompts' tokens, counted with the tokenizer and chat template verl will use. verl 0.9.1 cuts the start
+    of a prompt over rollout.prompt_length (agent_loop._cap_text_prompt_length): refused. Its filter drops rows
+    over data.max_prompt_length: said; refused where less than a batch (or no val row) is left. True where the
+    filter is on, every prompt fits and neither CONFIG nor ARGS set it: it can go (verl counts at every start)."""
     from omegaconf import OmegaConf
 
     from app.spec import FILTER_KEY
