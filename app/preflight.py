@@ -246,7 +246,7 @@ def check_config(spec: Spec, notes: list[str], warnings: list[str]) -> None:
             raise UserError(f"data.train_batch_size={batch} is not divisible by the {spec.total_gpus} GPUs "
                             f"({spec.nnodes} node(s) x {spec.gpus_per_node}): verl would silently drop the "
                             "remainder; make it a multiple, e.g. ARGS='data.train_batch_size=...'")
-        notes.append(f"SFT: {spec.nnodes} node(s) x {spec.gpus_per_node} GPU(s), global batch {batch}, lr {sel('optim.lr')}")
+        notes.append(f"SFT of {spec.model_path}: {spec.nnodes} node(s) x {spec.gpus_per_node} GPU(s), global batch {batch}, lr {sel('optim.lr')}")
         return
     rollout, actor = "actor_rollout_ref.rollout", "actor_rollout_ref.actor"
     name, n, tp = sel(f"{rollout}.name"), sel(f"{rollout}.n"), sel(f"{rollout}.tensor_model_parallel_size")
@@ -269,7 +269,7 @@ def check_config(spec: Spec, notes: list[str], warnings: list[str]) -> None:
             raise UserError(f"{key}={value} is smaller than max_prompt_length + max_response_length = {seq}"
                             + (f" over sequence parallel {sp}" if sp > 1 else "") + f": raise it to at least "
                             f"{-(-seq // sp)}")
-    notes.append(f"GRPO: {spec.nnodes} node(s) x {spec.gpus_per_node} GPU(s), batch {sel('data.train_batch_size')} "
+    notes.append(f"GRPO of {spec.model_path}: {spec.nnodes} node(s) x {spec.gpus_per_node} GPU(s), batch {sel('data.train_batch_size')} "
                  f"x n={n}, rollout {name} TP={tp}, save every {save_freq} steps")
 
 
