@@ -412,3 +412,52 @@ def test_make_k8s_sft_pods_meet_in_the_image_with_the_environment_kubernetes_giv
     for rank in (0, 1):
         seen = read_json(mount / "run" / f"rank{rank}.json")
         assert seen["world_size"] == 2 and seen["node_rank"] == rank and seen["sum"] == 3.0
+
+
+@pytest.mark.timeout(900)
+def test_make_k8s_rayjob_pods_run_grpo_on_the_cluster_kuberay_starts(tiny_model, data_dir, outside):
+    """The RayJob's two pods, each `docker run` of IMAGE with its manifest's env plus what KubeRay adds (RAY_ADDRESS,
+    RAY_PORT, RAY_IP; the head service's DNS name stands as 127.0.0.1) and the `ray start ... --block` KubeRay writes
+    for a pod without a command; then the job's entrypoint on the head pod, as Ray's job supervisor runs it (RAY_ADDRESS
+    set): grpo-head takes the head and port from the scheduler, waits for both nodes and runs the driver on both."""
+    import yaml
+
+    mount = owned_dir(outside / "workspace")
+    shutil.copytree(tiny_model, mount / "model")
+    shutil.copytree(data_dir, mount / "data")
+    out = outside / "grpo.yaml"
+    written = subprocess.run([sys.executable, "-m", "app", "k8s", "grpo"], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "ENV_FILE": os.devnull, "OUT": str(out), "IMAGE": IMAGE, "NNODES": "2",
+                                  "K8S_MOUNT": str(mount), "MODEL_PATH": str(mount / "model"), "WAIT_TIMEOUT": "300",
+                                  "DATA_DIR": str(mount / "data"), "CKPT_DIR": str(mount / "run"), "GPUS_PER_NODE": "1",
+                                  "GRPO_TRAINER_MODULE": "ray_driver", "PYTHONPATH": str(REPO)}, timeout=300)
+    assert written.returncode == 0, written.stderr
+    (job,) = yaml.safe_load_all(out.read_text())
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]]
+    port, names = free_port(), [f"vstest-rayjob-{os.getpid()}-{role}" for role in ("head", "worker")]
+    address = f"127.0.0.1:{port}"
+    ray_start = [["ray", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false"],
+                 ["ray", "start", f"--address={address}", "--node-ip-address=127.0.0.2"]]
+    try:
+        for role, pod in enumerate(pods):
+            (container,) = pod["spec"]["containers"]
+            assert "command" not in container  # KubeRay writes `ray start` for it
+            given = {e["name"]: e["value"] for e in container["env"]}
+            given.update(KUBERNETES_SERVICE_HOST="127.0.0.1", PYTHONPATH=str(FIXTURES), RAY_PORT=str(port),
+                         RAY_ADDRESS=address, **({"RAY_IP": "127.0.0.1"} if role else {}))
+            command = ["docker", "run", "-d", "--name", names[role], "--network", "host", "--pull", "never",
+                       "--shm-size", "1g", "-v", f"{mount}:{mount}", "-v", f"{FIXTURES}:{FIXTURES}:ro",
+                       *[arg for k, v in given.items() for arg in ("-e", f"{k}={v}")], IMAGE,
+                       *ray_start[role], "--block", "--num-cpus=1", "--num-gpus=1",
+                       f"--dashboard-agent-listen-port={free_port()}"]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        entry = subprocess.run(["docker", "exec", "-e", f"RAY_ADDRESS={address}", names[0], "bash", "-c",
+                                job["spec"]["entrypoint"]], capture_output=True, text=True, timeout=600)
+        logs = [subprocess.run(["docker", "logs", name], capture_output=True, text=True).stdout for name in names]
+    finally:
+        subprocess.run(["docker", "rm", "-f", *names], capture_output=True)
+    assert entry.returncode == 0, entry.stdout[-3000:] + entry.stderr[-3000:] + "".join(logs)[-3000:]
+    assert "a Ray head already answers" in entry.stdout and "GRPO finished" in entry.stdout
+    seen = read_json(mount / "run" / "driver.json")
+    assert seen["nodes"] == ["127.0.0.1", "127.0.0.2"] and seen["gpus"] == 2 and seen["RAY_ADDRESS"] == address
