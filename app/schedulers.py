@@ -165,11 +165,12 @@ def k8s_manifests(job: str, settings) -> str:
             spec_["containers"][0]["command"] = command
         return {"spec": spec_}
 
-    if job == "grpo":
-        worker = pod("ray-worker", None)
+    if job == "grpo":  # KubeRay gives the entrypoint the head's address, not the node count its wait needs
+        nnodes = [{"name": "NNODES", "value": str(spec.nnodes)}]
+        worker = pod("ray-worker", None, nnodes)
         docs = [{"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": name}, "spec": {
             "entrypoint": "python -m app grpo-head", "shutdownAfterJobFinishes": True,
-            "rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}, "template": pod("ray-head", None)},
+            "rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}, "template": pod("ray-head", None, nnodes)},
                                "workerGroupSpecs": [{"groupName": "gpu", "replicas": spec.nnodes - 1,
                                                      "minReplicas": spec.nnodes - 1, "maxReplicas": spec.nnodes - 1,
                                                      "rayStartParams": {}, "template": worker}]}}}]
@@ -192,7 +193,8 @@ def k8s_manifests(job: str, settings) -> str:
                  "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
                           "backoffLimit": 0, "template": template}}]
     head = f"# written by `make k8s JOB={job}` (app/schedulers.py): kubectl apply -f <this file>\n"
-    return head + yaml.safe_dump_all(docs, sort_keys=False)
+    dumper = type("NoAliases", (yaml.SafeDumper,), {"ignore_aliases": lambda self, data: True})  # no &id001 in pods
+    return head + yaml.dump_all(docs, Dumper=dumper, sort_keys=False)
 
 
 def main(command: str, argv: list[str], settings) -> int:

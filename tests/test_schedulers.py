@@ -177,6 +177,8 @@ def test_make_k8s_grpo_is_a_rayjob_with_a_worker_group_gpus_shm_and_the_run_volu
         assert {"name": "run", "persistentVolumeClaim": {"claimName": "verl-stack"}} in pod["volumes"]
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["MODEL_PATH"] == k8s_env["MODEL_PATH"] and "NODE_RANK" not in env and "HEAD_IP" not in env
+        assert env["NNODES"] == "2"  # KubeRay gives the entrypoint no node count: grpo-head's wait needs it
+    assert "&id" not in (tmp_path / "grpo.yaml").read_text()  # each pod's env written out, no YAML aliases
 
 
 def test_make_k8s_sft_is_a_pytorchjob_or_an_indexed_job_with_a_headless_service(k8s_env, tmp_path):
