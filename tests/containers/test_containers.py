@@ -188,7 +188,8 @@ def test_two_containers_meet_in_a_torchrun_rendezvous_over_gloo(stack, tiny_mode
               f"PYTHONPATH={FIXTURES}", f"MOUNTS={FIXTURES}", "ARGS=optim.lr=1e-5"]
     try:
         for rank in (0, 1):
-            nodes.append(stack.start("sft", *common, f"NODE_RANK={rank}", f"CKPT_DIR={outside / f'node{rank}'}",
+            run = outside / f"node{rank}" / "run"  # each node's own disk, the same run (directory name)
+            nodes.append(stack.start("sft", *common, f"NODE_RANK={rank}", f"CKPT_DIR={run}",
                                      log=outside / f"node{rank}.log"))
         codes = [node.wait(timeout=600) for node in nodes]
     finally:
@@ -197,7 +198,7 @@ def test_two_containers_meet_in_a_torchrun_rendezvous_over_gloo(stack, tiny_mode
     logs = [(outside / f"node{rank}.log").read_text() for rank in (0, 1)]
     assert codes == [0, 0], logs
     for rank in (0, 1):
-        seen = read_json(outside / f"node{rank}" / f"rank{rank}.json")
+        seen = read_json(outside / f"node{rank}" / "run" / f"rank{rank}.json")
         assert seen["world_size"] == 2 and seen["sum"] == 3.0 and seen["node_rank"] == rank
         assert "SFT finished" in logs[rank]
 
