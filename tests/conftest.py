@@ -17,6 +17,16 @@ REPO = Path(__file__).resolve().parent.parent
 # the tests start read no .env unless a test points ENV_FILE at one (tests/test_settings.py does).
 os.environ["ENV_FILE"] = os.devnull
 
+FIXTURES = REPO / "tests" / "fixtures"
+sys.path.insert(0, str(FIXTURES))  # the stand-in trainers and the helpers the tests import
+
+# The settings a launch reads, taken out of the inherited environment: only what a test sets counts.
+LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
+               "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH", "CONFIG",
+               "DATA_DIR", "MODEL_PATH", "CUDA_VISIBLE_DEVICES", "VLLM_ATTENTION_BACKEND", "RAY_AUTH_TOKEN",
+               "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "WAIT_TIMEOUT", "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE",
+               "GRPO_TRAINER_MODULE", "DASHBOARD_HOST", "VLLM_DISABLE_COMPILE_CACHE")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
@@ -24,6 +34,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from app.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Small real parquet files in DATA_DIR's layout, once per test module."""
+    from stack_files import write_data_dir
+
+    return write_data_dir(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def base_env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
+    """A launch's environment: no inherited launch setting; the tiny model, `data_dir`, a run directory of this
+    test, and the fixtures importable (the stand-in trainers)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return {**env, "MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data_dir), "CKPT_DIR": str(tmp_path / "run"),
+            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{REPO}"}
 
 
 def run_app(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600,

@@ -23,19 +23,8 @@ from app import spec as specs
 from app import preflight as pf
 from app.common import UserError
 from app.settings import BY_NAME, load
-from conftest import REPO, assert_one_line_error, run_app
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from stack_files import write_data_dir, write_sft  # noqa: E402
-
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
-               "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
-               "CUDA_VISIBLE_DEVICES", "VLLM_ATTENTION_BACKEND", "DATA_DIR", "MODEL_PATH")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
+from conftest import LAUNCH_VARS, REPO, assert_one_line_error, run_app
+from stack_files import write_sft
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ composition; and preflight refusing what used to pass it and fail later (no GPUs
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,31 +11,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, assert_one_line_error, make, run_app
+from conftest import FIXTURES, REPO, assert_one_line_error, make, run_app
 
 from app import spec as specs
 from app import renames
 
-FIXTURES = Path(__file__).parent / "fixtures"
 WALKTHROUGH = FIXTURES / "walkthrough"
-sys.path.insert(0, str(FIXTURES))
-from stack_files import write_data_dir  # noqa: E402
-
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT", "ARGS",
-               "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH", "CONFIG",
-               "DATA_DIR", "MODEL_PATH", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "VLLM_ATTENTION_BACKEND")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture
-def env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return {**clean, "MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data_dir), "CKPT_DIR": str(tmp_path / "run"),
-            "PYTHONPATH": str(REPO)}
+def env(base_env) -> dict[str, str]:
+    return {**base_env, "PYTHONPATH": str(REPO)}  # the checkout only: these tests start no stand-in
 
 
 def write_yaml(path: Path, tree: dict) -> Path:

@@ -17,10 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import REPO, assert_one_line_error, run_app
-from test_launch import FIXTURES, LAUNCH_VARS, free_port, start_app, stop_group
-
-sys.path.insert(0, str(FIXTURES))
-from stack_files import write_data_dir  # noqa: E402
+from test_launch import free_port, start_app, stop_group
 
 PLAIN_RAY = """
 import time, ray
@@ -31,18 +28,12 @@ ray.shutdown()
 """
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
-
-
 @pytest.fixture
-def ray_env(tmp_path, data_dir, tiny_model_dir):
+def ray_env(base_env):
     """A launch environment whose Ray temp dir (RAY_TMPDIR: short, for AF_UNIX paths) belongs to this test."""
     temp = tempfile.mkdtemp(prefix="ray")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(MODEL_PATH=str(tiny_model_dir), DATA_DIR=str(data_dir), CKPT_DIR=str(tmp_path / "run"),
-               PYTHONPATH=f"{FIXTURES}{os.pathsep}{REPO}", RAY_TMPDIR=temp, HEAD_IP="127.0.0.1",
+    env = dict(base_env)
+    env.update(RAY_TMPDIR=temp, HEAD_IP="127.0.0.1",
                RAY_PORT=str(free_port()), GPUS_PER_NODE="1", GRPO_TRAINER_MODULE="ray_driver",
                RAY_START_ARGS=f"--num-gpus 1 --num-cpus 1 --include-dashboard false "
                               f"--dashboard-agent-listen-port {free_port()}",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -20,30 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_one_line_error, run_app
-
-FIXTURES = Path(__file__).parent / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-from processes import driver_saw_both_nodes, free_port, stop_group, worker_then_head  # noqa: E402
-from stack_files import write_data_dir  # noqa: E402
-
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "HEAD_IP", "RAY_PORT",
-               "ARGS", "TRAIN_FILE", "VAL_FILE", "CKPT_DIR", "EXPERIMENT", "PROJECT", "DRY_RUN", "FRESH",
-               "VLLM_ATTENTION_BACKEND", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "WAIT_TIMEOUT",
-               "RAY_START_ARGS", "NODE_IP", "SFT_TRAINER_MODULE", "GRPO_TRAINER_MODULE", "DASHBOARD_HOST",
-               "VLLM_DISABLE_COMPILE_CACHE")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture
-def base_env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(MODEL_PATH=str(tiny_model_dir), DATA_DIR=str(data_dir), CKPT_DIR=str(tmp_path / "run"),
-               PYTHONPATH=f"{FIXTURES}{os.pathsep}{REPO}")
-    return env
+from processes import driver_saw_both_nodes, free_port, stop_group, worker_then_head
 
 
 def start_app(command: str, env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_config import data_dir, launch_env  # noqa: F401  (fixtures: tiny model, real parquet)
+from test_config import launch_env  # noqa: F401  (a fixture: tiny model, real parquet)
 
 from app import perf
 from app.common import UserError

@@ -14,28 +14,15 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, assert_one_line_error, run_app
+from processes import stop_group
 
 from app import runs
 from app.common import UserError
 
-FIXTURES = Path(__file__).parent / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-from processes import stop_group  # noqa: E402
-from stack_files import write_data_dir  # noqa: E402
-from test_launch import LAUNCH_VARS  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
-
 
 @pytest.fixture
-def env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return {**clean, "MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data_dir), "CKPT_DIR": str(tmp_path / "run"),
-            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{REPO}", "SFT_TRAINER_MODULE": "cpu_sft_trainer",
-            "STANDIN_HOLD": str(tmp_path / "release")}
+def env(base_env, tmp_path) -> dict[str, str]:
+    return {**base_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STANDIN_HOLD": str(tmp_path / "release")}
 
 
 def start_sft(env: dict[str, str], log: Path, prefix: list[str] | None = None) -> subprocess.Popen:

@@ -6,7 +6,6 @@ end on a real Slurm cluster on this machine (tests/fixtures/slurm_cluster.py: mu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -15,25 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, assert_one_line_error, run_app
-
-FIXTURES = Path(__file__).parent / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-from slurm_cluster import slurm_cluster  # noqa: E402
-from stack_files import write_data_dir  # noqa: E402
-from test_launch import LAUNCH_VARS  # noqa: E402
-from test_settings import settings_table  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return write_data_dir(tmp_path_factory.mktemp("data"))
+from slurm_cluster import slurm_cluster
+from test_settings import settings_table
 
 
 @pytest.fixture
-def env(tmp_path, data_dir, tiny_model_dir) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return {**clean, "MODEL_PATH": str(tiny_model_dir), "DATA_DIR": str(data_dir), "CKPT_DIR": str(tmp_path / "run"),
-            "PYTHONPATH": f"{FIXTURES}{os.pathsep}{REPO}", "GPUS_PER_NODE": "1"}
+def env(base_env) -> dict[str, str]:
+    return {**base_env, "GPUS_PER_NODE": "1"}
 
 
 # --- node facts ---------------------------------------------------------------------------------------------
