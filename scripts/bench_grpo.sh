@@ -75,6 +75,10 @@ for name in "${configs[@]}"; do
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset
                o0) extra+=' +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
+               # sdpa for the trainer where flash-attn is missing, instead of FlexAttention, whose compile is in
+               # step 1: transformers masks packed samples apart from their position_ids, with a dense mask (the
+               # token budget shrinks to hold it)
+               sdpa) extra+=" ++actor_rollout_ref.model.override_config.attn_implementation=sdpa" ;;
                *) echo "unknown config $name ($mod)" >&2; exit 2 ;;
              esac; done
              cmd=(env "${run_env[@]}" make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"
