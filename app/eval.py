@@ -87,11 +87,8 @@ def load_rows(path: Path, limit: int | None) -> list[dict]:
 
 
 def question_of(row: dict) -> str:
-    extra = row.get("extra_info") or {}
-    if extra.get("question"):
-        return extra["question"]
-    users = [m["content"] for m in row["prompt"] if m.get("role") == "user"]
-    return users[-1] if users else ""
+    return (row.get("extra_info") or {}).get("question") or next(
+        (m["content"] for m in reversed(row["prompt"]) if m.get("role") == "user"), "")
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -145,11 +142,8 @@ def generate_hf(model_dir: Path, rows: list[dict], max_new: int, batch: int) -> 
 
 
 def reference_answers(rows: list[dict]) -> list[str]:
-    out = []
-    for row in rows:
-        answer = (row.get("extra_info") or {}).get("answer")
-        out.append(answer if answer else f"#### {row['reward_model']['ground_truth']}")
-    return out
+    return [(row.get("extra_info") or {}).get("answer") or f"#### {row['reward_model']['ground_truth']}"
+            for row in rows]
 
 
 def pick_backend(requested: str, gpus: int) -> str:
@@ -202,9 +196,8 @@ def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str
     }
     with atomic_path(out) as tmp:
         tmp.mkdir()
-        with open(tmp / "samples.jsonl", "w", encoding="utf-8") as handle:
-            for sample in samples:
-                handle.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        (tmp / "samples.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples),
+                                           encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
 
