@@ -56,8 +56,7 @@ class CheckReport:
 def _verl_file(relative: str) -> Path | None:
     """A file of the installed verl package, located without importing verl."""
     package = verl_dir()
-    path = package / relative if package is not None else None
-    return path if path is not None and path.is_file() else None
+    return package / relative if package is not None and (package / relative).is_file() else None
 
 
 @functools.cache
@@ -112,29 +111,21 @@ def _read_table(path: Path, remedy: str = "rewrite it with pandas.DataFrame.to_p
 # The checks compare arrow arrays with arrow kernels only, and options rather than literals: turning a
 # Python value into arrow (pa.scalar, pa.array, a literal in pc.equal) or arrow into numpy makes pyarrow
 # import pandas, ~0.4 s of every preflight.
-def _is_text(arrow_type) -> bool:
-    import pyarrow as pa
+def _is(kinds: tuple[str, ...], arrow_type) -> bool:
+    """Whether `arrow_type` passes one of pyarrow.types' `is_<kind>` tests."""
+    import pyarrow.types
 
-    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-
-
-def _is_list(arrow_type) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+    return any(getattr(pyarrow.types, f"is_{kind}")(arrow_type) for kind in kinds)
 
 
-def _is_number_type(arrow_type) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type)
+_is_text = functools.partial(_is, ("string", "large_string"))
+_is_list = functools.partial(_is, ("list", "large_list"))
+_is_number_type = functools.partial(_is, ("integer", "floating", "decimal"))
 
 
 def _fields(arrow_type) -> set[str]:
     """The field names of a struct type; none for any other type."""
-    import pyarrow as pa
-
-    return {f.name for f in arrow_type} if pa.types.is_struct(arrow_type) else set()
+    return {f.name for f in arrow_type} if _is(("struct",), arrow_type) else set()
 
 
 def _first(mask) -> int | None:
@@ -242,9 +233,7 @@ def _check_rl(table, where: str) -> list[str]:
         raise UserError(f"{where}: `reward_model` is {reward.type}, not a dict with `ground_truth`: write "
                         "{\"style\": \"rule\", \"ground_truth\": ...} in every row")
     truth = reward.field("ground_truth")
-    missing = pc.or_(reward.is_null(), truth.is_null())
-    if _is_text(truth.type):
-        missing = pc.or_(missing, _is_empty(truth))
+    missing = pc.or_(reward.is_null(), _is_empty(truth) if _is_text(truth.type) else truth.is_null())
     _refuse_row(missing, where, "has no reward_model.ground_truth: fill it in or drop the row; without it the "
                 "reward cannot be computed")
     if _is_number_type(truth.type):
@@ -325,12 +314,8 @@ def check_table(table, kind: str | None, where: str) -> CheckReport:
         _check_sft(table, where)
     # to_pylist, not arrow kernels on literals (those would import pandas, see above); 7.5k GSM8K rows: ~0.05 s
     keys = [tuple((m["role"], m["content"]) for m in chat) for chat in table.column(needed).to_pylist()]
-    first: dict = {}
-    repeats = []
-    for row, key in enumerate(keys):
-        earlier = first.setdefault(key, row)
-        if earlier != row:
-            repeats.append((row, earlier))
+    first = {key: row for row, key in reversed(list(enumerate(keys)))}  # each key's first row
+    repeats = [(row, first[key]) for row, key in enumerate(keys) if first[key] != row]
     if repeats:
         notes.append(f"{where}: {len(repeats)} of {len(keys)} rows repeat an earlier row's "
                      f"{'prompt' if kind == 'rl' else 'conversation'} (first: row {repeats[0][0]} = row "
@@ -930,13 +915,6 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
-                       ("question", pa.string())])
-    rl_schema = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
-                           ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-                           ("extra_info", extra)])
-    sft_schema = pa.schema([("messages", message), ("extra_info", extra)])
     outputs = {f"{sub}/{split}": data_dir / sub / f"{split}.parquet"
                for sub in (name, f"{name}_sft") for split in converted}
     new_dirs = [d for d in (data_dir, data_dir / name, data_dir / f"{name}_sft") if not d.exists()]
@@ -945,8 +923,8 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
             for split, (rl_rows, sft_rows) in converted.items():
                 rl_tmp = stack.enter_context(atomic_path(outputs[f"{name}/{split}"], "DATA_DIR"))
                 sft_tmp = stack.enter_context(atomic_path(outputs[f"{name}_sft/{split}"], "DATA_DIR"))
-                pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
-                pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
+                pq.write_table(pa.Table.from_pylist(rl_rows), rl_tmp)  # types inferred: every row is text but index
+                pq.write_table(pa.Table.from_pylist(sft_rows), sft_tmp)
                 for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
                     report = check_parquet(tmp, kind)
                     if report.notes or report.rows != len(rl_rows):
@@ -1055,10 +1033,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     partner = {"train.parquet": "test.parquet", "test.parquet": "train.parquet"}.get(args.file.name)
     if other is None and partner and args.file.with_name(partner).is_file():
         other = args.file.with_name(partner)
-    overlap = None
-    if other is not None:
-        overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
-                                         key=lambda r: r.path.name != "train.parquet"))
+    overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
+                                     key=lambda r: r.path.name != "train.parquet")) if other is not None else None
     say(report.summary())
     for note in report.notes + ([overlap] if overlap else []):
         warn(note)
