@@ -24,20 +24,11 @@ from pathlib import Path
 
 from app import node
 from app.common import ArgParser, UserError, atomic_path, directory_problem, file_problem, resolved, say, warn
+from app.data import verl_gsm8k_module
 from app.runs import merged_model_for_step, read_model, step_arg
 from app.settings import Settings, setting_type
 
 BACKENDS = ("auto", "vllm", "hf", "reference")
-
-
-def gsm8k_scorer():
-    """verl's gsm8k module (compute_score, extract_solution), as `make prep` checks with it."""
-    from app.data import verl_gsm8k_module
-
-    module = verl_gsm8k_module()
-    if module is None:
-        raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
-    return module
 
 
 # --- which model, which rows ----------------------------------------------------------------------
@@ -164,7 +155,9 @@ def evaluate(model: Path, data: Path, out: Path, limit: int | None, backend: str
              max_new: int, *, gpus: int = 0, tp: int = 1) -> dict:
     """`gpus`: the GPUs visible here (app.node); `tp`: vLLM's tensor parallel size (EVAL_TP)."""
     check_model_dir(model)
-    scorer = gsm8k_scorer()
+    scorer = verl_gsm8k_module()  # compute_score and extract_solution, as `make prep` checks with them
+    if scorer is None:
+        raise UserError("verl is not importable here: install verl==0.9.1 (make setup) or use the image")
     rows = load_rows(data, limit)
     backend = pick_backend(backend, gpus)
     how = "its reference answers" if backend == "reference" else f"{backend} (greedy, up to {max_new} new tokens)"
