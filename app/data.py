@@ -48,10 +48,6 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)
     keys: list = field(default_factory=list, repr=False)
 
-    def summary(self) -> str:
-        what = "RL (prompt, data_source, reward_model)" if self.kind == "rl" else "SFT (messages)"
-        return f"ok: {self.path}: {self.rows} rows, {what}"
-
 
 def _verl_file(relative: str) -> Path | None:
     """A file of the installed verl package, located without importing verl."""
@@ -576,8 +572,7 @@ def _retyped(table, column: str, rows: list, arrow_type):
 
 
 def _join_parts(table, column: str, where: str, changes: list[str]):
-    """`table` with the content parts of every message in chat column `column` joined into one text, where
-    its content is a list (of parts)."""
+    """`table` with the content parts of every message in chat column `column` joined into one text."""
     import pyarrow as pa
 
     chat_type = table.schema.field(column).type
@@ -627,7 +622,6 @@ def _prompt_response_to_messages(table, where: str, changes: list[str]):
     """prompt (text or chat list) + response (text) -> one `messages` conversation per row."""
     import pyarrow as pa
 
-    columns = table.column_names
     conversations = []
     numbers = 0
     rows = zip(table.column("prompt").to_pylist(), table.column("response").to_pylist())
@@ -653,7 +647,7 @@ def _prompt_response_to_messages(table, where: str, changes: list[str]):
     if numbers:
         changes.append(f"{numbers} numeric responses written as text (was {table.schema.field('response').type})")
     chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    table = table.select([name for name in columns if name not in ("prompt", "response", "__index_level_0__")])
+    table = table.select([c for c in table.column_names if c not in ("prompt", "response", "__index_level_0__")])
     table = table.add_column(0, pa.field("messages", chat_type), pa.array(conversations, type=chat_type))
     # pandas' and datasets' recorded column lists no longer match the file: drop them, both re-infer
     return table.replace_schema_metadata(None)
@@ -691,8 +685,8 @@ def fix_parquet(path: Path | str, out: Path | str, kind: str | None = None, forc
         if "prompt" in columns and _is_text(table.schema.field("prompt").type):
             chats = [_chat_from_string(text, f"{path} row {row}")
                      for row, text in enumerate(table.column("prompt").to_pylist())]
-            chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-            table = _retyped(table, "prompt", chats, chat_type)
+            table = _retyped(table, "prompt", chats, pa.list_(pa.struct([("role", pa.string()),
+                                                                           ("content", pa.string())])))
             changes.append(f"{sum(chat is not None for chat in chats)} string prompts rewritten as chat lists")
         elif "prompt" in columns:
             table = _join_parts(table, "prompt", str(path), changes)
@@ -853,18 +847,16 @@ def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> l
     first: dict[str, tuple[str, object]] = {}
     kept, dropped = [], []
     for where, row in rows:
-        question = row.get("question") if isinstance(row, dict) else None
-        if not isinstance(question, str):  # _convert refuses it, with its own line
-            kept.append((where, row))
-            continue
-        if question in first:
+        question = row.get("question") if isinstance(row, dict) else None  # not text: _convert refuses it
+        if isinstance(question, str) and question in first:
             earlier, answer = first[question]
             if row.get("answer") != answer:
                 raise UserError(f"{where} asks the same question as {earlier} with a different answer: keep the "
                                 "right one and remove the other (prep writes one RL prompt per question)")
             dropped.append((where, earlier))
             continue
-        first[question] = (where, row.get("answer"))
+        if isinstance(question, str):
+            first[question] = (where, row.get("answer"))
         kept.append((where, row))
     if dropped:
         where, earlier = dropped[0]
@@ -1035,7 +1027,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         other = args.file.with_name(partner)
     overlap = compare_splits(*sorted([report, check_parquet(other, report.kind)],
                                      key=lambda r: r.path.name != "train.parquet")) if other is not None else None
-    say(report.summary())
+    say(f"ok: {report.path}: {report.rows} rows, "
+        f"{'RL (prompt, data_source, reward_model)' if report.kind == 'rl' else 'SFT (messages)'}")
     for note in report.notes + ([overlap] if overlap else []):
         warn(note)
     return 0
