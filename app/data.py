@@ -885,25 +885,12 @@ def _refuse_test_in_train(splits: dict[str, list[tuple[str, dict]]], described: 
          "split")
 
 
-def _check_agreement(rl_path: Path, sft_path: Path, expected_rows: int) -> None:
-    """Self-check of prep: the RL and SFT files hold the same rows in the same order."""
-    import pyarrow.parquet as pq
-
-    rl = pq.read_table(rl_path).to_pylist()
-    sft = pq.read_table(sft_path).to_pylist()
-    if not len(rl) == len(sft) == expected_rows:
-        raise RuntimeError(f"prep wrote {len(rl)} RL / {len(sft)} SFT rows, expected {expected_rows}")
-    for i, (a, b) in enumerate(zip(rl, sft)):
-        if (b["messages"][:1] != a["prompt"] or b["messages"][1]["content"] != a["extra_info"]["answer"]
-                or b["extra_info"] != a["extra_info"] or a["extra_info"]["index"] != i):
-            raise RuntimeError(f"prep self-check: RL and SFT rows differ at row {i}")
-
-
 def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict], list[dict]]],
                  headline: str) -> dict[str, Path]:
     """Write `<data_dir>/<name>/{split}.parquet` (RL) and `<data_dir>/<name>_sft/{split}.parquet` (SFT messages)
     for every split of `converted` ({split: (rl_rows, sft_rows)}), all files or none: each is checked with
-    `check_parquet` and against its twin before the set is renamed into place. Then says `headline` and them."""
+    `check_parquet` before the set is renamed into place (RL and SFT rows agree by construction: `_convert` builds
+    both from one user message and one extra_info). Then says `headline` and them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -921,7 +908,6 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
                     report = check_parquet(tmp, kind)
                     if report.notes or report.rows != len(rl_rows):
                         raise RuntimeError(f"prep self-check of {split} {kind}: {report.rows} rows, {report.notes}")
-                _check_agreement(rl_tmp, sft_tmp, len(rl_rows))
     except BaseException:
         for directory in reversed(new_dirs):  # leave DATA_DIR as it was: drop directories made for this run
             with contextlib.suppress(OSError):
