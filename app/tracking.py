@@ -95,20 +95,12 @@ class RunLog:
     attempts: list[Attempt]
     steps: dict[int, dict[str, float]]  # merged: step -> metric -> value
 
-    @property
-    def bad_lines(self) -> int:
-        return sum(a.bad_lines for a in self.attempts)
-
     def series(self, key: str, finite: bool = False) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, NaN and infinities included (a diverged run's last value is one of them);
         `finite`: only the finite ones (what a plot can draw and a min/max mean)."""
-        xs, ys = [], []
-        for step in sorted(self.steps):
-            value = self.steps[step].get(key)
-            if value is not None and (math.isfinite(value) or not finite):
-                xs.append(step)
-                ys.append(value)
-        return xs, ys
+        points = [(step, value) for step in sorted(self.steps) if (value := self.steps[step].get(key)) is not None
+                  and (math.isfinite(value) or not finite)]
+        return [step for step, _ in points], [value for _, value in points]
 
     def non_finite(self, key: str) -> tuple[int, int, bool] | None:
         """(first step whose value is NaN or infinite, how many steps are, whether every later step is too),
@@ -124,8 +116,7 @@ class RunLog:
 def log_files(run: Path) -> list[Path]:
     """The run's JSONL attempts, oldest first (by the UTC time in the name, then its counter)."""
     def order(path: Path):
-        m = LOG_NAME.match(path.name)
-        if m:
+        if m := LOG_NAME.match(path.name):
             return (m.group(1), int(m.group(2) or 0))
         return (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime)), 0)
 
@@ -227,13 +218,8 @@ HEADLINE = ["train/loss", "val/loss", "critic/rewards/mean", "critic/score/mean"
 
 
 def _expand(keys: list[str], present: set[str]) -> list[str]:
-    out = []
-    for key in keys:
-        if key.endswith("*"):
-            out += sorted(k for k in present if k.startswith(key[:-1]))
-        elif key in present:
-            out.append(key)
-    return out
+    """The present `keys`, in order; one ending in * stands for every present key it begins."""
+    return [k for key in keys for k in sorted(present) if k == key or key.endswith("*") and k.startswith(key[:-1])]
 
 
 def _title(title: str, keys: list[str]) -> str:
@@ -272,8 +258,7 @@ def render(log: RunLog, out: Path) -> list[str]:
                 xs, ys = log.series(key, finite=True)
                 sparse = len(xs) < max(2, len(log.steps) // 4)  # validation: a point every test_freq steps
                 line, = ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, linewidth=1.2, label=key)
-                bad = log.non_finite(key)
-                if bad:  # a line cannot draw NaN or inf: mark where the values stop being numbers
+                if bad := log.non_finite(key):  # a line cannot draw NaN or inf: mark where the values stop
                     ax.axvline(bad[0], color=line.get_color(), linestyle="--", linewidth=1,
                                label=f"{key}: non-finite from step {bad[0]}")
             ax.set_title(label, fontsize=10)
@@ -314,8 +299,7 @@ def summary_text(log: RunLog, plots: list[str]) -> str:
         finite = [y for y in ys if math.isfinite(y)]
         low, high = (f"{min(finite):>11.4g}", f"{max(finite):>11.4g}") if finite else (f"{'-':>11}", f"{'-':>11}")
         row = f"{key:<{width}} {ys[0]:>11.4g} {ys[-1]:>11.4g} {low} {high}  ({xs[-1]})"
-        bad = log.non_finite(key)
-        if bad:
+        if bad := log.non_finite(key):
             step, count, to_the_end = bad
             row += f"  non-finite from step {step}" if to_the_end else f"  non-finite at {count} steps from step {step}"
             diverged.append(f"{key} from step {step}")
@@ -355,8 +339,8 @@ def report(run: Path) -> Path:
         startup, text = timeline.draw(run, tmp)  # ([], "") for a JSONL file
         (tmp / "summary.txt").write_text(summary_text(log, plots + startup) + (f"\n{text}\n" if text else ""),
                                          encoding="utf-8")
-    if log.bad_lines:
-        warn(f"skipped {log.bad_lines} unreadable log lines (a run killed mid-write leaves one)")
+    if bad_lines := sum(attempt.bad_lines for attempt in log.attempts):
+        warn(f"skipped {bad_lines} unreadable log lines (a run killed mid-write leaves one)")
     diverged = [f"{key} from step {bad[0]}" for key in _summary_keys(log) if (bad := log.non_finite(key))]
     if diverged:
         warn(f"non-finite values (NaN or infinite) in {', '.join(diverged)}: the run diverged there; see "
@@ -411,7 +395,7 @@ def board(run: str | None, ckpt_dir: str | None, host: str, port: int, environ: 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
     parser = ArgParser(prog=f"python -m app {command}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", nargs="?", default=settings["RUN"], help="run directory (default: RUN)")
     if command == "board":
         parser.add_argument("--host", default=settings["BOARD_HOST"], help="BOARD_HOST")
