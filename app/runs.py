@@ -190,9 +190,9 @@ def _read_model(path: Path, version) -> Model:
                 config = config if isinstance(config, dict) else {}
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         problems.append("no tokenizer (tokenizer.json / tokenizer_config.json)")
-    model = Model(path, config, ())
-    empty = [w.name for w in model.weights if w.stat().st_size == 0]
-    if not model.weights:
+    weights = Model(path, config, ()).weights
+    empty = [w.name for w in weights if w.stat().st_size == 0]
+    if not weights:
         problems.append("no weights (*.safetensors or *.bin)")
     elif empty:
         problems.append(f"an empty weights file ({', '.join(empty)})")
@@ -295,10 +295,3 @@ class RunLock:
         with contextlib.suppress(OSError, ValueError):
             if json.loads(self.path.read_text()).get("pid") == os.getpid():
                 self.path.unlink()
-
-    def __enter__(self) -> "RunLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

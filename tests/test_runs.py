@@ -111,7 +111,8 @@ def test_a_holder_this_node_cannot_see_is_live_by_its_heartbeat_then_stale(env, 
 def test_the_heartbeat_keeps_a_lock_fresh_and_release_removes_only_ones_own(tmp_path, monkeypatch):
     monkeypatch.setattr(runs, "HEARTBEAT_S", 0.2)
     lock = runs.RunLock(tmp_path / "run", "node0", "make sft")
-    with lock:
+    lock.acquire()
+    try:
         path = tmp_path / "run" / ".locks" / "node0.json"
         old = time.time() - 30
         os.utime(path, (old, old))
@@ -120,6 +121,8 @@ def test_the_heartbeat_keeps_a_lock_fresh_and_release_removes_only_ones_own(tmp_
         with pytest.raises(UserError, match="is in use by `make sft`"):
             runs.RunLock(tmp_path / "run", "node0", "make sft").acquire()
         runs.RunLock(tmp_path / "run", "node1", "make sft").acquire()  # another node of the same run: its own lock
+    finally:
+        lock.release()
     assert not path.exists() and (path.parent / "node1.json").exists()
 
 
