@@ -24,6 +24,7 @@ import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, no_room_errno, refuse_symlink_loop,
@@ -96,12 +97,8 @@ def scan(directory: Path) -> dict[int, dict[int, list[Path]]]:
 
 def _ranks(ranks) -> str:
     """0,1,2,5 -> '0-2, 5': short enough for one line even with 64 ranks."""
-    runs: list[list[int]] = []
-    for rank in sorted(ranks):
-        if runs and rank == runs[-1][-1] + 1:
-            runs[-1].append(rank)
-        else:
-            runs.append([rank])
+    # consecutive ranks share rank - position: each group is one run
+    runs = [[rank for _, rank in group] for _, group in groupby(enumerate(sorted(ranks)), lambda ir: ir[1] - ir[0])]
     return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
@@ -127,17 +124,14 @@ def check_complete(directory: Path) -> ShardSet:
     if world_from_config is not None and world_from_config != world:
         raise UserError(f"fsdp_config.json in {directory} says world size {world_from_config} but the shards "
                         f"are for world size {world}: they come from different runs; gather this run's shards")
-    duplicates = {r: files for r, files in ranks.items() if len(files) > 1}
-    if duplicates:
+    if duplicates := {r: files for r, files in ranks.items() if len(files) > 1}:
         rank, files = sorted(duplicates.items())[0]
         raise UserError(f"rank {rank} appears {len(files)} times in {directory} "
                         f"({', '.join(f.name for f in files)}): keep only model_world_size_{world}_rank_{rank}.pt")
-    out_of_range = sorted(r for r in ranks if r >= world)
-    if out_of_range:
+    if out_of_range := sorted(r for r in ranks if r >= world):
         raise UserError(f"ranks {_ranks(out_of_range)} in {directory} do not exist in world size {world}: "
                         "remove those files")
-    missing = sorted(set(range(world)) - set(ranks))
-    if missing:
+    if missing := sorted(set(range(world)) - set(ranks)):
         raise UserError(f"{directory} is incomplete: world size {world}, ranks missing: {_ranks(missing)}; "
                         f"{GATHER_HINT}")
     files = [ranks[r][0] for r in range(world)]
@@ -149,8 +143,7 @@ def check_complete(directory: Path) -> ShardSet:
         if not zipfile.is_zipfile(path):
             raise UserError(f"{path} is corrupt (not a complete torch checkpoint; truncated copy?): copy it "
                             "again from its node (make gather) or merge an earlier STEP")
-    absent = [name for name in RANK0_FILES if not (directory / name).exists()]
-    if absent:
+    if absent := [name for name in RANK0_FILES if not (directory / name).exists()]:
         raise UserError(f"{' and '.join(absent)} missing in {directory}: rank 0's node writes them; {GATHER_HINT}")
     return ShardSet(directory, world, files, sum(path.stat().st_size for path in files))
 
@@ -372,15 +365,11 @@ def verify(directory: Path) -> str:
     missing = sorted(set(expected) - set(saved))
     extra = sorted(set(saved) - set(expected))
     wrong = sorted(n for n in set(expected) & set(saved) if expected[n] != saved[n])
-    if missing or extra or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} tensors missing (e.g. {missing[0]})")
-        if extra:
-            parts.append(f"{len(extra)} unexpected (e.g. {extra[0]})")
-        if wrong:
-            parts.append(f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]]} "
-                         f"vs {expected[wrong[0]]} in config.json)")
+    parts = [f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []
+    parts += [f"{len(extra)} unexpected (e.g. {extra[0]})"] if extra else []
+    parts += [f"{len(wrong)} of the wrong shape (e.g. {wrong[0]}: {saved[wrong[0]]} "
+              f"vs {expected[wrong[0]]} in config.json)"] if wrong else []
+    if parts:
         raise UserError(f"merged weights do not match config.json: {', '.join(parts)}; the shards and "
                         "huggingface/config.json come from different models")
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -557,12 +546,9 @@ def _listing(node: Node, relative: str) -> dict[str, int] | None:
     out = _rsync(["-r", "--list-only", node.url(relative.rstrip("/") + "/")], node, f"list {relative}", missing_ok=True)
     if out is None:
         return None
-    files = {}
-    for line in out.splitlines():
-        parts = line.split(None, 4)
-        if len(parts) == 5 and parts[0].startswith("-"):
-            files[parts[4]] = int(parts[1].replace(",", "").replace(".", ""))
-    return files
+    rows = [line.split(None, 4) for line in out.splitlines()]
+    return {parts[4]: int(parts[1].replace(",", "").replace(".", "")) for parts in rows
+            if len(parts) == 5 and parts[0].startswith("-")}
 
 
 def _copy_with_progress(node: Node, relative: str, dest: Path, size: int, bar) -> None:
@@ -596,8 +582,7 @@ def _latest_on_nodes(nodes: list[Node]) -> int:
         for i, node in enumerate(nodes):
             if LATEST_FILE in (_listing(node, "") or {}):
                 _rsync([node.url(LATEST_FILE), f"{tmp}/{i}/"], node, f"read {LATEST_FILE}")
-                number = latest_step(Path(tmp, str(i)))
-                if number is not None:
+                if (number := latest_step(Path(tmp, str(i)))) is not None:
                     numbers.append(number)
     if not numbers:
         raise UserError(f"no {LATEST_FILE} here nor on {', '.join(n.spec for n in nodes) or 'any node'}: "
