@@ -278,14 +278,10 @@ def check_packages(gpu: bool) -> list[Check]:
         except PackageNotFoundError:
             return None
 
-    checks = []
-    verl = have("verl")
-    if verl != "0.9.1":
-        checks.append(Check("verl", "fail", f"verl {verl or 'missing'} (this stack is built on 0.9.1)",
-                            "use the image (make build), or pip install verl==0.9.1"))
-    else:
-        checks.append(Check("verl", "ok", "0.9.1"))
-    vllm = have("vllm")
+    verl, vllm, problem = have("verl"), have("vllm"), swanboard_problem()
+    checks = [Check("verl", "ok", "0.9.1") if verl == "0.9.1" else
+              Check("verl", "fail", f"verl {verl or 'missing'} (this stack is built on 0.9.1)",
+                    "use the image (make build), or pip install verl==0.9.1")]
     if vllm and not vllm.startswith("0.24."):
         checks.append(Check("vLLM", "warn", f"{vllm}: verl 0.9.1 is pinned with vLLM 0.24.0",
                             "use the image (make build), or pip install vllm==0.24.0"))
@@ -294,12 +290,9 @@ def check_packages(gpu: bool) -> list[Check]:
     else:
         checks.append(Check("vLLM", "fail" if gpu else "warn", "not installed: GRPO's rollout needs it; eval "
                             "falls back to transformers (slow)", "use the GPU image (make build)"))
-    problem = swanboard_problem()
-    if problem:
-        checks.append(Check("swanboard", "warn", f"{problem}: swanlab records offline, no `make board`",
-                            f"pip install 'swanboard=={SWANBOARD_VERSION}' (in the image already)"))
-    else:
-        checks.append(Check("swanboard", "ok", f"{SWANBOARD_VERSION}: swanlab local mode and `make board` work"))
+    checks.append(Check("swanboard", "warn", f"{problem}: swanlab records offline, no `make board`",
+                        f"pip install 'swanboard=={SWANBOARD_VERSION}' (in the image already)") if problem else
+                  Check("swanboard", "ok", f"{SWANBOARD_VERSION}: swanlab local mode and `make board` work"))
     return checks
 
 
@@ -313,19 +306,14 @@ def check_settings(settings: Settings) -> list[Check]:
     where = settings.env_file if settings.env_file.is_file() else f"no {settings.env_file}"
     detail = (f"{sources.count('.env')} from {where}, {sources.count('shell')} from the shell"
               + (f"; unset (defaults apply): {', '.join(unset)}" if unset else ""))
-    problems, fixes = [], []
-    if settings.repeated:
-        problems.append(f"set twice in {settings.env_file}, the last counts: {', '.join(settings.repeated)}")
-        fixes.append("keep one line each")
-    if settings.misspelt:
-        problems.append(f"in {settings.env_file} but no setting: {', '.join(settings.misspelt)}")
-        fixes.append("rename it (`make settings` lists every setting)")
-    if settings.ignored:
-        problems.append(f"in .env but read by make only: {', '.join(settings.ignored)}")
-        fixes.append("set those on the make command line or in the shell (`make settings` shows all)")
-    if problems:
-        return [Check("settings", "warn", "; ".join([detail, *problems]), "; ".join(fixes)), *bad]
-    return [Check("settings", "ok", detail), *bad]
+    found = [(f"{problem}: {', '.join(names)}", fix) for names, problem, fix in (
+        (settings.repeated, f"set twice in {settings.env_file}, the last counts", "keep one line each"),
+        (settings.misspelt, f"in {settings.env_file} but no setting",
+         "rename it (`make settings` lists every setting)"),
+        (settings.ignored, "in .env but read by make only",
+         "set those on the make command line or in the shell (`make settings` shows all)")) if names]
+    return [Check("settings", "warn" if found else "ok", "; ".join([detail, *(p for p, _ in found)]),
+                  "; ".join(fix for _, fix in found)), *bad]
 
 
 def run_checks(settings: Settings) -> list[Check]:
