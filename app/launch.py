@@ -33,25 +33,18 @@ from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, to
 from app.settings import Settings
 from app.timeline import Timeline, started_at
 
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
-class Said(UserError):
-    """A failure whose one line a child process has printed already: exit non-zero, print nothing more."""
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")  # in a name (not a *_PATH): the plan shows *** for its value
 
 
 # --- pieces shared by the targets --------------------------------------------------------------------
-def masked(name: str, value: str) -> str:
-    return "***" if any(marker in name for marker in SECRET_MARKERS) and not name.endswith("_PATH") else value
-
-
 def print_plan(settings: Settings, title: str, extra_env: dict[str, str], steps: list[tuple[str, list[str]]]) -> None:
     """DRY_RUN output: the environment (what we set plus the pass-through variables here) and the exact commands."""
     say(f"plan for {title} (DRY_RUN=1: nothing is started)")
     say("environment:")
     shown = {k: v for k, v in settings.environ().items() if v and (k.startswith(PASS_PREFIXES) or k in PASS_NAMES)}
     for name, value in sorted({**shown, **extra_env}.items()):
-        say(f"  export {name}={shlex.quote(masked(name, value))}")
+        secret = any(marker in name for marker in SECRET_MARKERS) and not name.endswith("_PATH")
+        say(f"  export {name}={shlex.quote('***' if secret else value)}")
     for what, command in steps:
         say(f"{what}:")
         say(f"  {shlex.join(command)}")
@@ -212,7 +205,7 @@ def launch_sft(settings: Settings) -> int:
         timeline.stamp("torchrun started")
         rc = run_process(settings, "sft", command, extra, timeline)
     if rc == SAID:
-        raise Said("")
+        raise UserError("")  # empty: the rank printed the one line already
     if rc != 0:
         raise UserError(f"the SFT trainer exited with code {rc} (its output is above): fix the cause and rerun "
                         "the same command; it resumes from the latest checkpoint")
@@ -245,10 +238,6 @@ def ray_auth_env(run: Path, settings: Settings, *, create: bool) -> dict[str, st
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
 
 
-def ray_cli() -> list[str]:
-    return [sys.executable, "-m", "ray.scripts.scripts"]
-
-
 def ray_ports(settings: Settings, head: bool) -> list[str]:
     """`ray start` flags that keep every port of this node's Ray in RAY_PORTS (the head's GCS is RAY_PORT)."""
     if settings["RAY_PORTS"] is None:
@@ -261,21 +250,19 @@ def ray_ports(settings: Settings, head: bool) -> list[str]:
         ["--min-worker-port", str(low + 10), "--max-worker-port", str(high)]
 
 
-def head_command(spec: specs.Spec) -> list[str]:
-    """`ray start --head --block`: blocking, so stopping it stops exactly the Ray processes it started.
-    The dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
+def ray_start(spec: specs.Spec, head: bool) -> list[str]:
+    """`ray start --block`: blocking, so stopping it stops exactly the Ray processes it started. The head's
+    dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
     settings = spec.settings
-    return [*ray_cli(), "start", "--head", "--block", "--node-ip-address", settings["HEAD_IP"] or "127.0.0.1",
-            "--port", str(settings["RAY_PORT"]), "--dashboard-host", settings["DASHBOARD_HOST"],
-            "--disable-usage-stats", *ray_ports(settings, head=True), *settings.get("RAY_START_ARGS", ())]
-
-
-def worker_command(spec: specs.Spec) -> list[str]:
-    settings = spec.settings
-    command = [*ray_cli(), "start", "--address", spec.ray_address, "--block", "--disable-usage-stats"]
-    if settings["NODE_IP"]:
-        command += ["--node-ip-address", settings["NODE_IP"]]
-    return command + ray_ports(settings, head=False) + list(settings.get("RAY_START_ARGS", ()))
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start"]
+    if head:
+        command += ["--head", "--block", "--node-ip-address", settings["HEAD_IP"] or "127.0.0.1", "--port",
+                    str(settings["RAY_PORT"]), "--dashboard-host", settings["DASHBOARD_HOST"], "--disable-usage-stats"]
+    else:
+        command += ["--address", spec.ray_address, "--block", "--disable-usage-stats"]
+        if settings["NODE_IP"]:
+            command += ["--node-ip-address", settings["NODE_IP"]]
+    return command + ray_ports(settings, head) + list(settings.get("RAY_START_ARGS", ()))
 
 
 class ClusterAddressFile:
@@ -293,8 +280,7 @@ class ClusterAddressFile:
         temp = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--temp-dir"), None) or \
             next((a.split("=", 1)[1] for a in args if a.startswith("--temp-dir=")), None)
         base = environ.get("RAY_TMPDIR") or (environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
-        self.path = Path(temp) if temp else Path(base or "/tmp") / "ray"
-        self.path = self.path / "ray_current_cluster"
+        self.path = (Path(temp) if temp else Path(base or "/tmp") / "ray") / "ray_current_cluster"
         self.before = self.read()
 
     def read(self) -> str | None:
@@ -370,9 +356,8 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
             if head is not None and head.poll() is not None:
                 raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
                                 "see its output above")
-            if not child.is_alive() and not receiver.poll(0):
-                raise UserError(f"could not ask the Ray cluster at {address} for its nodes (exit code "
-                                f"{child.exitcode}): see the output above")
+            if not child.is_alive():
+                break  # it ended without an answer: recv() below finds the pipe closed
         try:
             kind, payload = receiver.recv()
         except EOFError:
@@ -489,7 +474,7 @@ def launch_grpo_head(settings: Settings) -> int:
                 raise UserError(f"RAY_PORT {settings['RAY_PORT']} is in use by {holder}, which is not a Ray head: "
                                 "stop it, or set RAY_PORT to a free port (the same on every node)")
         auth = ray_auth_env(spec.run_dir, settings, create=not dry) if settings["RAY_AUTH_TOKEN"] or not existing else {}
-        head_cmd = head_command(spec)
+        head_cmd = ray_start(spec, head=True)
         # this attempt's tracking settings and vLLM's cache setting also travel in the job's runtime_env, to actors
         # on every node, even under a Ray head this command did not start
         extra_overrides = tracking_overrides({**track, **vllm_env(settings)})
@@ -508,11 +493,9 @@ def launch_grpo_head(settings: Settings) -> int:
         extra["STACK_RUN"] = str(fingerprint)
         # a write, not a read: the wait's driver (a spawned interpreter) inherits os.environ, joins with the token
         os.environ.update(auth)
-        head: subprocess.Popen | None = None
-        address_file: ClusterAddressFile | None = None
-        warm: subprocess.Popen | None = None
+        warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
+        head = None
         try:
-            warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
             if existing:
                 say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
             else:
@@ -556,7 +539,7 @@ def launch_grpo_worker(settings: Settings) -> int:
     check_model(spec)
     if not dry:
         refuse_without_gpus(spec, "make grpo-worker")
-    command = worker_command(spec)
+    command = ray_start(spec, head=False)
     timeout = settings["WAIT_TIMEOUT"]
     name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
     extra = {**tracking(spec.run_dir, settings, dry), **vllm_env(settings)}
@@ -573,20 +556,19 @@ def launch_grpo_worker(settings: Settings) -> int:
         warn(f"nothing answers at {spec.ray_address} yet: waiting up to {timeout}s for make grpo-head there "
              "(if HEAD_IP or RAY_PORT is wrong, stop this and fix it)")
     deadline = time.monotonic() + timeout
-    warm: subprocess.Popen | None = None
     with run_dir_held(plan, name, "make grpo-worker", dry) as timeline, \
             tempfile.TemporaryDirectory(prefix="verl-stack-") as tmp:
         extra.update(STACK_RUN=str(write_fingerprint(plan, name)), STACK_VERDICT=str(Path(tmp) / "verdict"))
+        # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
+        warm = warmup.start(spec.model_path, logs_dir(spec.run_dir) / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log",
+                            settings.environ(extra))
         try:
-            # this node's vLLM servers inspect the model too (the head's warm-up fills only the head's cache)
-            warm = warmup.start(spec.model_path, logs_dir(spec.run_dir) / f"vllm-warmup-{settings['NODE_IP'] or 'worker'}.log",
-                                settings.environ(extra))
             with tqdm(desc=f"waiting for the Ray head at {spec.ray_address}", unit="s", total=None) as bar:
-                while (auth := _worker_auth(spec, settings)) is None or \
+                while not (token := settings["RAY_AUTH_TOKEN"] or token_path(spec.run_dir, settings).is_file()) or \
                         not node.port_open(settings["HEAD_IP"], settings["RAY_PORT"]):
                     if time.monotonic() > deadline:
                         missing = f"the token (RAY_AUTH_TOKEN in .env, or {token_path(spec.run_dir, settings)})" \
-                            if auth is None else f"{spec.ray_address} answering"
+                            if not token else f"{spec.ray_address} answering"
                         raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
                                         "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
                     time.sleep(2.0)
@@ -594,7 +576,7 @@ def launch_grpo_worker(settings: Settings) -> int:
             address_file = ClusterAddressFile(spec.ray_address, settings)
             timeline.stamp("the head answers")
             try:
-                _run_worker(spec, command, {**extra, **auth}, deadline)
+                _run_worker(spec, command, {**extra, **ray_auth_env(spec.run_dir, settings, create=False)}, deadline)
             finally:
                 address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
         finally:
@@ -621,12 +603,6 @@ def _run_worker(spec: specs.Spec, command: list[str], environment: dict[str, str
             continue
         raise UserError(f"`ray start` exited with code {rc} while the head still answers ({last_line(log)}): "
                         "check the token (RAY_AUTH_TOKEN / token file) is the head's, then rerun")
-
-
-def _worker_auth(spec: specs.Spec, settings: Settings) -> dict[str, str] | None:
-    if settings["RAY_AUTH_TOKEN"] or token_path(spec.run_dir, settings).is_file():
-        return ray_auth_env(spec.run_dir, settings, create=False)
-    return None
 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:
