@@ -378,11 +378,8 @@ def _verdict(root: Path, stages: list[Stage], skipped: list[str], wall: float) -
     say(f"GRPO reward mean rose: {first:.3f} (first quarter of steps) -> {last:.3f} (last quarter)")
     if startup.is_file():  # where GRPO's first minutes went (app.timeline; the stage's own output printed it too)
         say(timeline.summary(startup).replace("start-up on this node", "GRPO's start-up"))
-    earlier = []
-    if skipped:
-        earlier.append(f"{', '.join(skipped)} done by an earlier run")
-    if resumed:
-        earlier.append(f"the cut-short earlier attempts of {', '.join(resumed)} not counted")
+    earlier = [text for names, text in ((skipped, f"{', '.join(skipped)} done by an earlier run"),
+               (resumed, f"the cut-short earlier attempts of {', '.join(resumed)} not counted")) if names]
     earlier_note = f" (this run only: {'; '.join(earlier)})" if earlier else ""
     say(f"demo passed in {wall:.0f}s{earlier_note}: accuracy after SFT A0 = {a0:.1%}, after GRPO "
         f"A1 = {a1:.1%} on {n} unseen test items (+{a1 - a0:.1%}, above the noise margin {margin:.1%} = "

@@ -187,17 +187,14 @@ def human_parameters(count: int) -> str:
 def model_parameters(model: Path) -> int | None:
     """Parameter count from the safetensors headers (no weights read); None where there are none or one
     is unreadable (check_model reports that)."""
-    total, found = 0, False
+    shapes = []
     for path in model.glob("*.safetensors"):
         try:
             header = safetensors_header(path)
         except (OSError, ValueError):
             return None
-        for name, meta in header.items():
-            if name != "__metadata__":
-                total += math.prod(meta["shape"])
-                found = True
-    return total if found else None
+        shapes += [meta["shape"] for name, meta in header.items() if name != "__metadata__"]
+    return sum(map(math.prod, shapes)) if shapes else None
 
 
 def check_disk(run: Path, model: Path | None) -> Check:
