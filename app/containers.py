@@ -58,9 +58,14 @@ IMAGE_DIRS = ("/", "/var", "/opt", "/home", "/home/stack", "/root", "/run", "/tm
 
 def env(name: str, default: str | None = None) -> str | None:
     """make's `name` (the command line, the shell, .env); empty counts as unset, as Make exports unset variables
-    empty. The docker side's own settings (RUNTIME, IMAGE, GPU, IB, ...) decide where the app runs: it runs
-    before any venv (stdlib only), so it reads make's environment itself; the app's come from app.settings."""
-    return os.environ.get(name) or default
+    empty. The docker side's own settings (RUNTIME, IMAGE, GPU, IB, ...) decide where the app runs."""
+    return shell().get(name) or default
+
+
+def shell() -> dict[str, str]:
+    # the docker side runs before any venv (stdlib only) and decides where the app runs: it reads make's
+    # environment itself, here alone; the app's settings come from app.settings (app_environ)
+    return dict(os.environ)
 
 
 def passthrough_names() -> tuple[str, ...]:
@@ -364,9 +369,9 @@ def app_environ() -> dict[str, str]:
     try:
         from app.settings import load
 
-        return load(dict(os.environ)).environ()
+        return load(shell()).environ()
     except ModuleNotFoundError:
-        return dict(os.environ)
+        return shell()
 
 
 def run(service: str, command: list[str]) -> int:
@@ -459,7 +464,7 @@ def build() -> int:
     image = image_name()
     started = time.monotonic()
     with served(files) as url:
-        build_env = {**os.environ, "IMAGE": image, "FLAVOR": flavor, "BASE_IMAGE": base,
+        build_env = {**shell(), "IMAGE": image, "FLAVOR": flavor, "BASE_IMAGE": base,
                      "BUILD_FILES_URL": url or "", "DOCKER_BUILDKIT": "1" if builder == "buildkit" else "0"}
         argv = ["docker", "compose", "--project-directory", str(REPO), "-f", str(REPO / "compose.build.yaml"),
                 "build", "image"]
