@@ -477,9 +477,11 @@ class Node:
 
 
 def parse_nodes(text: str, local_run: Path, environ: dict[str, str] | None = None) -> list[Node]:
-    # no RUN_DIR, the usual case: the same absolute path on every node
-    return [Node(spec, spec.partition(":")[0], spec.partition(":")[2] or str(local_run), dict(environ or {}))
-            for spec in text.replace(",", " ").split()]
+    nodes = []
+    for spec in text.replace(",", " ").split():
+        host, _, path = spec.partition(":")  # no RUN_DIR, the usual case: the same absolute path on every node
+        nodes.append(Node(spec, host, path or str(local_run), dict(environ or {})))
+    return nodes
 
 
 # What ssh says when it never got a working connection. rsync then exits 255 (ssh's own code), or 12

@@ -107,21 +107,29 @@ def _read_table(path: Path, remedy: str = "rewrite it with pandas.DataFrame.to_p
 # The checks compare arrow arrays with arrow kernels only, and options rather than literals: turning a
 # Python value into arrow (pa.scalar, pa.array, a literal in pc.equal) or arrow into numpy makes pyarrow
 # import pandas, ~0.4 s of every preflight.
-def _is(kinds: tuple[str, ...], arrow_type) -> bool:
-    """Whether `arrow_type` passes one of pyarrow.types' `is_<kind>` tests."""
-    import pyarrow.types
+def _is_text(arrow_type) -> bool:
+    import pyarrow as pa
 
-    return any(getattr(pyarrow.types, f"is_{kind}")(arrow_type) for kind in kinds)
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
-_is_text = functools.partial(_is, ("string", "large_string"))
-_is_list = functools.partial(_is, ("list", "large_list"))
-_is_number_type = functools.partial(_is, ("integer", "floating", "decimal"))
+def _is_list(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+
+
+def _is_number_type(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type)
 
 
 def _fields(arrow_type) -> set[str]:
     """The field names of a struct type; none for any other type."""
-    return {f.name for f in arrow_type} if _is(("struct",), arrow_type) else set()
+    import pyarrow as pa
+
+    return {f.name for f in arrow_type} if pa.types.is_struct(arrow_type) else set()
 
 
 def _first(mask) -> int | None:
@@ -847,16 +855,18 @@ def _drop_repeats(split: str, rows: list[tuple[str, dict]], described: str) -> l
     first: dict[str, tuple[str, object]] = {}
     kept, dropped = [], []
     for where, row in rows:
-        question = row.get("question") if isinstance(row, dict) else None  # not text: _convert refuses it
-        if isinstance(question, str) and question in first:
+        question = row.get("question") if isinstance(row, dict) else None
+        if not isinstance(question, str):  # _convert refuses it, with its own line
+            kept.append((where, row))
+            continue
+        if question in first:
             earlier, answer = first[question]
             if row.get("answer") != answer:
                 raise UserError(f"{where} asks the same question as {earlier} with a different answer: keep the "
                                 "right one and remove the other (prep writes one RL prompt per question)")
             dropped.append((where, earlier))
             continue
-        if isinstance(question, str):
-            first[question] = (where, row.get("answer"))
+        first[question] = (where, row.get("answer"))
         kept.append((where, row))
     if dropped:
         where, earlier = dropped[0]
@@ -894,6 +904,14 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # the files' format, declared: what verl reads does not depend on the rows' key order
+    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    extra = pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()),
+                       ("question", pa.string())])
+    rl_schema = pa.schema([("data_source", pa.string()), ("prompt", message), ("ability", pa.string()),
+                           ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                           ("extra_info", extra)])
+    sft_schema = pa.schema([("messages", message), ("extra_info", extra)])
     outputs = {f"{sub}/{split}": data_dir / sub / f"{split}.parquet"
                for sub in (name, f"{name}_sft") for split in converted}
     new_dirs = [d for d in (data_dir, data_dir / name, data_dir / f"{name}_sft") if not d.exists()]
@@ -902,8 +920,8 @@ def write_splits(data_dir: Path, name: str, converted: dict[str, tuple[list[dict
             for split, (rl_rows, sft_rows) in converted.items():
                 rl_tmp = stack.enter_context(atomic_path(outputs[f"{name}/{split}"], "DATA_DIR"))
                 sft_tmp = stack.enter_context(atomic_path(outputs[f"{name}_sft/{split}"], "DATA_DIR"))
-                pq.write_table(pa.Table.from_pylist(rl_rows), rl_tmp)  # types inferred: every row is text but index
-                pq.write_table(pa.Table.from_pylist(sft_rows), sft_tmp)
+                pq.write_table(pa.Table.from_pylist(rl_rows, schema=rl_schema), rl_tmp)
+                pq.write_table(pa.Table.from_pylist(sft_rows, schema=sft_schema), sft_tmp)
                 for tmp, kind in ((rl_tmp, "rl"), (sft_tmp, "sft")):
                     report = check_parquet(tmp, kind)
                     if report.notes or report.rows != len(rl_rows):

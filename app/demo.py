@@ -402,8 +402,9 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
         raise UserError("demo needs a GPU: no CUDA device is visible here; run `make demo` on a GPU node "
                         "(DRY_RUN=1 prints the plan anywhere)")
     root.mkdir(parents=True, exist_ok=True)
-    for marker in (root / "stages").glob("*.json") if settings["FRESH"] else ():
-        marker.unlink()
+    if settings["FRESH"]:
+        for marker in (root / "stages").glob("*.json"):
+            marker.unlink()
     skipped = _run_stages(root, stages, settings, began)
     if skipped is not None:  # not stopped at DEMO_UNTIL
         _verdict(root, stages, skipped, round(time.monotonic() - began, 1))

@@ -275,10 +275,14 @@ def check_packages(gpu: bool) -> list[Check]:
         except PackageNotFoundError:
             return None
 
-    verl, vllm, problem = have("verl"), have("vllm"), swanboard_problem()
-    checks = [Check("verl", "ok", "0.9.1") if verl == "0.9.1" else
-              Check("verl", "fail", f"verl {verl or 'missing'} (this stack is built on 0.9.1)",
-                    "use the image (make build), or pip install verl==0.9.1")]
+    checks = []
+    verl = have("verl")
+    if verl != "0.9.1":
+        checks.append(Check("verl", "fail", f"verl {verl or 'missing'} (this stack is built on 0.9.1)",
+                            "use the image (make build), or pip install verl==0.9.1"))
+    else:
+        checks.append(Check("verl", "ok", "0.9.1"))
+    vllm = have("vllm")
     if vllm and not vllm.startswith("0.24."):
         checks.append(Check("vLLM", "warn", f"{vllm}: verl 0.9.1 is pinned with vLLM 0.24.0",
                             "use the image (make build), or pip install vllm==0.24.0"))
@@ -287,9 +291,12 @@ def check_packages(gpu: bool) -> list[Check]:
     else:
         checks.append(Check("vLLM", "fail" if gpu else "warn", "not installed: GRPO's rollout needs it; eval "
                             "falls back to transformers (slow)", "use the GPU image (make build)"))
-    checks.append(Check("swanboard", "warn", f"{problem}: swanlab records offline, no `make board`",
-                        f"pip install 'swanboard=={SWANBOARD_VERSION}' (in the image already)") if problem else
-                  Check("swanboard", "ok", f"{SWANBOARD_VERSION}: swanlab local mode and `make board` work"))
+    problem = swanboard_problem()
+    if problem:
+        checks.append(Check("swanboard", "warn", f"{problem}: swanlab records offline, no `make board`",
+                            f"pip install 'swanboard=={SWANBOARD_VERSION}' (in the image already)"))
+    else:
+        checks.append(Check("swanboard", "ok", f"{SWANBOARD_VERSION}: swanlab local mode and `make board` work"))
     return checks
 
 

@@ -564,11 +564,11 @@ def launch_grpo_worker(settings: Settings) -> int:
                             settings.environ(extra))
         try:
             with tqdm(desc=f"waiting for the Ray head at {spec.ray_address}", unit="s", total=None) as bar:
-                while not (token := settings["RAY_AUTH_TOKEN"] or token_path(spec.run_dir, settings).is_file()) or \
+                while (auth := _worker_auth(spec, settings)) is None or \
                         not node.port_open(settings["HEAD_IP"], settings["RAY_PORT"]):
                     if time.monotonic() > deadline:
                         missing = f"the token (RAY_AUTH_TOKEN in .env, or {token_path(spec.run_dir, settings)})" \
-                            if not token else f"{spec.ray_address} answering"
+                            if auth is None else f"{spec.ray_address} answering"
                         raise UserError(f"no head within {timeout}s (still missing: {missing}): start `make grpo-head` "
                                         "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
                     time.sleep(2.0)
@@ -576,7 +576,7 @@ def launch_grpo_worker(settings: Settings) -> int:
             address_file = ClusterAddressFile(spec.ray_address, settings)
             timeline.stamp("the head answers")
             try:
-                _run_worker(spec, command, {**extra, **ray_auth_env(spec.run_dir, settings, create=False)}, deadline)
+                _run_worker(spec, command, {**extra, **auth}, deadline)
             finally:
                 address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
         finally:
@@ -603,6 +603,12 @@ def _run_worker(spec: specs.Spec, command: list[str], environment: dict[str, str
             continue
         raise UserError(f"`ray start` exited with code {rc} while the head still answers ({last_line(log)}): "
                         "check the token (RAY_AUTH_TOKEN / token file) is the head's, then rerun")
+
+
+def _worker_auth(spec: specs.Spec, settings: Settings) -> dict[str, str] | None:
+    if settings["RAY_AUTH_TOKEN"] or token_path(spec.run_dir, settings).is_file():
+        return ray_auth_env(spec.run_dir, settings, create=False)
+    return None
 
 
 def main(command: str, argv: list[str], settings: Settings) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from app import node, renames
 from app.common import REPO_ROOT, UserError, hydra_quoted, verl_dir
 from app.runs import read_model, run_dir
-from app.settings import BY_NAME, REGISTRY, RAY_ADDRESS_KEY, Settings, leaves
+from app.settings import BY_NAME, RAY_ADDRESS_KEY, Settings, leaves
 
 CONFIG_DIR = REPO_ROOT / "configs"
 BASE_CONFIG = {"sft": "sft_trainer_engine", "grpo": "ppo_trainer"}  # verl's packaged config each profile extends

@@ -98,9 +98,13 @@ class RunLog:
     def series(self, key: str, finite: bool = False) -> tuple[list[int], list[float]]:
         """(steps, values) of `key`, NaN and infinities included (a diverged run's last value is one of them);
         `finite`: only the finite ones (what a plot can draw and a min/max mean)."""
-        points = [(step, value) for step in sorted(self.steps) if (value := self.steps[step].get(key)) is not None
-                  and (math.isfinite(value) or not finite)]
-        return [step for step, _ in points], [value for _, value in points]
+        xs, ys = [], []
+        for step in sorted(self.steps):
+            value = self.steps[step].get(key)
+            if value is not None and (math.isfinite(value) or not finite):
+                xs.append(step)
+                ys.append(value)
+        return xs, ys
 
     def non_finite(self, key: str) -> tuple[int, int, bool] | None:
         """(first step whose value is NaN or infinite, how many steps are, whether every later step is too),
@@ -219,7 +223,13 @@ HEADLINE = ["train/loss", "val/loss", "critic/rewards/mean", "critic/score/mean"
 
 def _expand(keys: list[str], present: set[str]) -> list[str]:
     """The present `keys`, in order; one ending in * stands for every present key it begins."""
-    return [k for key in keys for k in sorted(present) if k == key or key.endswith("*") and k.startswith(key[:-1])]
+    out = []
+    for key in keys:
+        if key.endswith("*"):
+            out += sorted(k for k in present if k.startswith(key[:-1]))
+        elif key in present:
+            out.append(key)
+    return out
 
 
 def _title(title: str, keys: list[str]) -> str:
