@@ -192,7 +192,7 @@ def launch_sft(settings: Settings) -> int:
     command = sft_command(plan)
     name = f"node{spec.node_rank}"
     with run_dir_held(plan, name, "make sft", dry) as timeline:  # FRESH first: tracking belongs to the new run
-        extra = tracking(spec.run_dir, settings, dry)
+        extra = {**tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=False)}
         if dry:
             print_plan(settings, f"sft on node {spec.node_rank} of {spec.nnodes}", extra, [("train", command)])
             return 0
@@ -446,11 +446,16 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
         ray.shutdown()
 
 
-def vllm_env(settings: Settings) -> dict[str, str]:
-    """vLLM's settings for this node's Ray processes. verl 0.9.1 sets VLLM_DISABLE_COMPILE_CACHE=1 in the job's
-    runtime_env unless the driver's environment sets it (trainer/constants_ppo.py), and the actors of each node
-    inherit `ray start`'s environment: so the head, its driver and every worker get it."""
-    return {"VLLM_DISABLE_COMPILE_CACHE": settings["VLLM_DISABLE_COMPILE_CACHE"]}
+def compile_env(settings: Settings, *, vllm: bool) -> dict[str, str]:
+    """The compile caches' settings for this node's processes: torchrun's ranks, or `ray start`, whose environment
+    every actor of the node inherits. TORCH_COMPILE_JOB_ID: without a job id torch keeps no record of which sizes
+    varied (its profile-guided dynamic shapes), so each run compiles FlexAttention at its first length, then again
+    for any length. VLLM_DISABLE_COMPILE_CACHE: verl 0.9.1 sets 1 in the job's runtime_env unless the driver's
+    environment sets it (trainer/constants_ppo.py)."""
+    env = {"TORCH_COMPILE_JOB_ID": settings["TORCH_COMPILE_JOB_ID"]}
+    if vllm:
+        env["VLLM_DISABLE_COMPILE_CACHE"] = settings["VLLM_DISABLE_COMPILE_CACHE"]
+    return env
 
 
 def launch_grpo_head(settings: Settings) -> int:
@@ -475,12 +480,12 @@ def launch_grpo_head(settings: Settings) -> int:
                                 "stop it, or set RAY_PORT to a free port (the same on every node)")
         auth = ray_auth_env(spec.run_dir, settings, create=not dry) if settings["RAY_AUTH_TOKEN"] or not existing else {}
         head_cmd = ray_start(spec, head=True)
-        # this attempt's tracking settings and vLLM's cache setting also travel in the job's runtime_env, to actors
-        # on every node, even under a Ray head this command did not start
-        extra_overrides = tracking_overrides({**track, **vllm_env(settings)})
+        # this attempt's tracking and compile settings also travel in the job's runtime_env, to actors on every
+        # node, even under a Ray head this command did not start
+        extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})
         driver_cmd = [sys.executable, "-m", settings["GRPO_TRAINER_MODULE"],
                       *hydra_args("grpo", [*spec.overrides, *extra_overrides])]
-        extra = {**track, **auth, **vllm_env(settings)}
+        extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
                        "GPU(s))", {**extra, "RAY_ADDRESS": spec.ray_address}, [
@@ -542,7 +547,7 @@ def launch_grpo_worker(settings: Settings) -> int:
     command = ray_start(spec, head=False)
     timeout = settings["WAIT_TIMEOUT"]
     name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
-    extra = {**tracking(spec.run_dir, settings, dry), **vllm_env(settings)}
+    extra = {**tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True)}
     if dry:
         print_plan(settings, f"grpo-worker joining {spec.ray_address}", {**extra, **ray_auth_env(
             spec.run_dir, settings, create=False)}, [

@@ -71,6 +71,9 @@ for name in "${configs[@]}"; do
                # vLLM's torch.compile cache off, as verl sets it (the profile keeps it: VLLM_DISABLE_COMPILE_CACHE=0,
                # app/settings.py): only a second start on a node differs
                nocache) run_env+=(VLLM_DISABLE_COMPILE_CACHE=1) ;;
+               # torch without its record of which sizes varied (TORCH_COMPILE_JOB_ID, app/settings.py): FlexAttention
+               # compiled at its first length, then again for any length, on every start as before
+               nopgo) run_env+=(TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0) ;;
                # vLLM without its torch.compile (mode 0, CompilationMode.NONE) but with full CUDA graphs, which FA3
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset

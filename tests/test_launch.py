@@ -42,6 +42,7 @@ def test_sft_dry_run_prints_the_torchrun_line_and_environment_after_preflight(ba
     assert f"--config-dir {REPO / 'configs'} --config-name sft" in out
     assert out.rstrip().endswith("optim.lr=2e-5")  # ARGS last
     assert "export SWANLAB_MODE=local" in out and "export VERL_FILE_LOGGER_PATH=" in out
+    assert "export TORCH_COMPILE_JOB_ID=verl-stack" in out  # torch's record of varying sizes, kept per node
     assert "s3cret" not in out and "export SWANLAB_API_KEY='***'" in out
     assert not Path(base_env["CKPT_DIR"]).exists()  # nothing started, nothing written
 
@@ -183,8 +184,11 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
     assert "export VLLM_DISABLE_COMPILE_CACHE=0" in out  # verl's 1 only where the user asks for it
     # and in the job's runtime_env, so it holds under a Ray head that this command did not start
     assert shlex.quote("++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DISABLE_COMPILE_CACHE='0'") in out
-    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"})
-    assert result.returncode == 0 and "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout, result.stderr
+    assert shlex.quote("++ray_kwargs.ray_init.runtime_env.env_vars.TORCH_COMPILE_JOB_ID='verl-stack'") in out
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "VLLM_DISABLE_COMPILE_CACHE": "1",
+                                       "TORCH_COMPILE_JOB_ID": "my-job"})
+    assert result.returncode == 0, result.stderr
+    assert "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout and "export TORCH_COMPILE_JOB_ID=my-job" in result.stdout
     assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
 
 
@@ -205,7 +209,7 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
     assert seen["RAY_ADDRESS"] == f"127.0.0.1:{env['RAY_PORT']}"
     for task in seen["tasks"]:  # actors on both nodes: the run's tracking directory, vLLM's compile cache kept
         assert task["SWANLAB_LOG_DIR"] == str(run / "swanlog")
-        assert task["VLLM_DISABLE_COMPILE_CACHE"] == "0"
+        assert task["VLLM_DISABLE_COMPILE_CACHE"] == "0" and task["TORCH_COMPILE_JOB_ID"] == "verl-stack"
     head_text = head_log.read_text()
     assert "cluster ready:" in head_text and "127.0.0.2 (1 GPU)" in head_text
     # the head's start-up, phase by phase: its own stamps and those read off verl's lines (the stand-in prints them)
