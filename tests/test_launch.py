@@ -47,6 +47,28 @@ def test_sft_dry_run_prints_the_torchrun_line_and_environment_after_preflight(ba
     assert not Path(base_env["CKPT_DIR"]).exists()  # nothing started, nothing written
 
 
+@pytest.mark.slow
+def test_the_exported_job_id_makes_a_nodes_next_run_compile_flex_attention_once(base_env, tmp_path):
+    """With TORCH_COMPILE_JOB_ID as the launch exports it, torch keeps which sizes varied beside Inductor's cache,
+    and the node's next process compiles create_block_mask and flex_attention once each, dynamic (2 graphs);
+    without it every process compiles each at its first length, then again (4): 33 s of GRPO's first step on
+    1xH200 (docs/gpu-runs.md, runs 39-43)."""
+    plan = run_app("sft", env={**base_env, "DRY_RUN": "1"})
+    exported = dict(shlex.split(line)[1].split("=", 1) for line in plan.stdout.splitlines()
+                    if line.strip().startswith("export TORCH_COMPILE_JOB_ID="))
+    assert exported == {"TORCH_COMPILE_JOB_ID": "verl-stack"}, plan.stdout
+
+    def graphs(env: dict[str, str]) -> str:
+        run = subprocess.run([sys.executable, str(REPO / "tests" / "fixtures" / "flex_compiles.py")], text=True,
+                             capture_output=True, env={**base_env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), **env})
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.strip()
+
+    assert graphs(exported) == "graphs=4"  # a fresh node: the first length, then dynamic
+    assert graphs(exported) == "graphs=2"  # the next run on it
+    assert graphs({}) == "graphs=4"  # the same cache without a job id: as on a fresh node
+
+
 def test_sft_dry_run_refuses_what_preflight_refuses(base_env):
     line = assert_one_line_error(run_app("sft", env={**base_env, "DRY_RUN": "1", "NNODES": "2", "NODE_RANK": "1"}))
     assert "MASTER_ADDR" in line
