@@ -170,9 +170,8 @@ REGISTRY: tuple[Var, ...] = (
         ("grpo-head", "grpo-worker"), G_RUN, choices=("0", "1")),
     Var("TORCH_COMPILE_JOB_ID", "text", "verl-stack", "torch.compile's job id: with one, PyTorch keeps beside "
         "Inductor's cache which input sizes changed between calls, and the next run on the node compiles those "
-        "dynamic from its first call (FlexAttention in the first step: once per grad mode, not twice; 34 s less of GRPO's "
-        "first step on 1xH200); "
-        "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0 turns that off",
+        "dynamic from its first call (FlexAttention in the first step: once per grad mode, not twice; 34 s less of "
+        "GRPO's first step on 1xH200); TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0 turns that off",
         "torch.compile 的 job id：设置后 PyTorch 在 Inductor 缓存旁记录哪些输入尺寸在调用间变化过，节点上的下一次运行"
         "从第一次调用起就按动态尺寸编译（第一步的 FlexAttention 每种梯度模式编译一次而非两次；1xH200 上 GRPO 第一步快 34 秒）；"
         "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0 可关闭", LAUNCH, G_RUN),
