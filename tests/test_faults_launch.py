@@ -278,8 +278,10 @@ def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceb
     """Ctrl-C reaches the whole foreground process group (the terminal's), SIGTERM the launch (docker stop, kill):
     torchrun's agent raises its SignalException, and its ranks stop; the user reads one line, nothing is left."""
     env = {**ray_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STANDIN_HOLD": str(tmp_path / "never")}
+    # SIGINT handled as in a terminal's foreground job: a shell's background job (`.ci/run &`) inherits it ignored
     launch = subprocess.Popen([sys.executable, "-m", "app", "sft"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = Path(env["CKPT_DIR"])
     deadline = time.monotonic() + 180
     while not (run / "rank0.json").exists() and time.monotonic() < deadline:  # training (the stand-in holds)
