@@ -104,6 +104,8 @@ def main() -> int:
     if steps:
         summary["loss"] = [round(m["train/loss"], 4) for _, _, m, in steps if "train/loss" in m]
         summary["first_step_s"] = round(steps[0][1], 1)
+        # step 1's own split, every timer verl logs (update_weights too): where the start-up's first step goes
+        summary["first_step_timing"] = {k: round(v, 2) for k, v in steps[0][2].items() if k.startswith("timing_s/")}
     print("BENCH " + json.dumps(summary), flush=True)
     return 0 if len(steps) >= min(args.steps, warmup + 1) else 1
 

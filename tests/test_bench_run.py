@@ -37,3 +37,16 @@ def test_warmup_steps_are_left_out_of_the_means(tmp_path):
         summaries[warmup] = json.loads(line[len("BENCH "):])
     assert summaries[2]["warmup"] == 2 and summaries[2]["step_s"] < 0.6  # the 2 s step is not in it
     assert summaries[1]["step_s"] > 0.7  # with --warmup 1 it is: (2 + 0.2 + 0.2) / 3
+
+
+def test_the_first_steps_own_timers_are_kept_whole(tmp_path):
+    """Step 1 is left out of the means, but where it went is the start-up's question: all its timing_s/* keys."""
+    script = ('echo "step:1 - timing_s/gen:20.5 - timing_s/update_weights:18.25 - timing_s/step:64.0 - actor/lr:1e-06"; '
+              'echo "step:2 - timing_s/gen:14.0 - timing_s/step:24.0"')
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_run.py"), "--label", "t", "--steps", "2",
+                             "--log", str(tmp_path / "run.log"), "--", "bash", "-c", script],
+                            capture_output=True, text=True, timeout=30)
+    summary = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("BENCH "))[len("BENCH "):])
+    assert summary["first_step_timing"] == {"timing_s/gen": 20.5, "timing_s/update_weights": 18.25,
+                                            "timing_s/step": 64.0}
+    assert summary["timing_s/gen"] == 14.0  # the means: step 2 only
