@@ -74,6 +74,10 @@ for name in "${configs[@]}"; do
                # torch without its record of which sizes varied (TORCH_COMPILE_JOB_ID, app/settings.py): FlexAttention
                # compiled at its first length, then again for any length, on every start as before
                nopgo) run_env+=(TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0) ;;
+               # a fresh node's compile caches on any node: Inductor's (with torch's record of dynamic sizes), Triton's
+               # and vLLM's (under XDG_CACHE_HOME) in a new empty directory, so fresh and warm compare on one machine
+               cold) run_env+=(XDG_CACHE_HOME="$BENCH_DIR/cold-$name" TORCHINDUCTOR_CACHE_DIR="$BENCH_DIR/cold-$name/inductor"
+                               TRITON_CACHE_DIR="$BENCH_DIR/cold-$name/triton"); rm -rf "$BENCH_DIR/cold-$name" ;;
                # vLLM without its torch.compile (mode 0, CompilationMode.NONE) but with full CUDA graphs, which FA3
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset

@@ -35,6 +35,8 @@ def test_every_grpo_bench_candidate_and_a_stack_of_them_compose_and_a_refused_on
     # the stack reached the launch: every part of it is in the composed command
     stacked = (tmp_path / "bench" / "profile-mp+v0+nocache.log").read_text()
     assert "distributed_executor_backend=mp" in stacked and "trainer.use_v1=False" in stacked
+    cold = next(line for line in result.stdout.splitlines() if line.startswith("== profile-cold: "))
+    assert f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'bench' / 'cold-profile-cold' / 'inductor'} " in cold
     # n=1 is refused by preflight (GRPO needs two samples a prompt): the check says which config and fails
     result = bench("bench_grpo.sh", ["profile"], tmp_path, N="1")
     assert result.returncode == 1 and "== BENCH_CHECK: profile do not compose" in result.stderr
