@@ -20,6 +20,8 @@ VERL_LINES = (("trainer workers ready", "actor and ref model engine initialized"
               ("ready to fit", "all initialize finished, ready to fit"))
 FIRST_STEP = re.compile(r"\bstep:1 - ")  # verl's console logger: the first step's metrics, SFT and GRPO alike
 FIRST_STEP_PHASE = "first step done"
+# `timing_s/gen:24.2` (verl pprints each value: `np.float64(24.2)` where one is numpy's)
+TIMER = re.compile(r"\btiming_s/(?P<name>[\w/]+):(?:np\.float\d+\()?(?P<s>\d+(?:\.\d*)?(?:e[-+]?\d+)?)")
 
 
 def started_at() -> float:
@@ -39,20 +41,21 @@ class Timeline:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
 
-    def stamp(self, phase: str) -> None:
+    def stamp(self, phase: str, **detail) -> None:
         """Record `phase` as done now, once (the rank entry of app.rendezvous appends to the same file)."""
         if phase in {p for p, _ in read(self.path)}:
             return
         with open(self.path, "a", encoding="utf-8") as handle:  # one short line, O_APPEND: whole or not at all
-            handle.write(json.dumps({"phase": phase, "t": round(time.time() - self.started, 1)}) + "\n")
+            handle.write(json.dumps({"phase": phase, "t": round(time.time() - self.started, 1), **detail}) + "\n")
 
     def watch(self, line: str) -> None:
-        """A line the launch's child printed: stamp the phase it ends; after the first step, the summary."""
+        """A line the launch's child printed: stamp the phase it ends; after the first step, the summary with
+        where the step went by verl's own timers (GRPO's `timing_s/*`; SFT logs none)."""
         for phase, text in VERL_LINES:
             if text in line:
                 self.stamp(phase)
         if FIRST_STEP.search(line) and not self.summarised:
-            self.stamp(FIRST_STEP_PHASE)
+            self.stamp(FIRST_STEP_PHASE, timers={m["name"]: float(m["s"]) for m in TIMER.finditer(line)})
             self.summarised = True
             print(summary(self.path), flush=True)
 
@@ -85,7 +88,33 @@ def summary(path: Path) -> str:
     for phase, at in phases:
         rows.append(f"  {phase:<24}{at:>8.1f}{at - before:>9.1f}{(at - before) / total:>8.0%}")
         before = at
+    timers = first_step_timers(path)
+    step = timers.pop("step", None)
+    if timers:
+        import textwrap
+
+        parts = [f"{name} {s:.1f}" for name, s in sorted(timers.items(), key=lambda item: -item[1])]
+        rest = step - sum(timers.values()) if step is not None else -1.0
+        tail = f"; outside them {rest:.1f} of the step's {step:.1f}" if rest >= 0 else ""
+        rows += textwrap.wrap(f"step 1 by verl's timers, s: {', '.join(parts)}{tail}", 100, initial_indent="  ",
+                              subsequent_indent="    ")
     return "\n".join(rows)
+
+
+def first_step_timers(path: Path) -> dict[str, float]:
+    """verl's own timers of the first step (`timing_s/*` of its `step:1` line), as the launch stamped them."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+            if record.get("phase") == FIRST_STEP_PHASE:
+                return {str(name): float(s) for name, s in (record.get("timers") or {}).items()}
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return {}
 
 
 def draw(run: Path, out: Path) -> tuple[list[str], str]:
