@@ -371,7 +371,7 @@ def _verdict(root: Path, stages: list[Stage], skipped: list[str], wall: float) -
         "seconds": seconds, "total_seconds": round(sum(seconds.values()), 1),  # over earlier demo runs too
         "wall_seconds": wall, "skipped": skipped, "resumed": resumed,  # this run's, and what it went on from
         "report": str(root / "grpo" / "report"),
-        "grpo_startup": dict(timeline.read(startup)),
+        "grpo_startup": dict(timeline.read(startup)), "grpo_first_step_timers": timeline.first_step_timers(startup),
     }
     with atomic_path(root / "demo.json") as tmp:
         tmp.write_text(json.dumps(figures, indent=2) + "\n")

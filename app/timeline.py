@@ -60,20 +60,25 @@ class Timeline:
             print(summary(self.path), flush=True)
 
 
-def read(path: Path) -> list[tuple[str, float]]:
-    """(phase, seconds) in the order they happened; unreadable lines (a kill mid-write) are left out."""
-    out = []
+def records(path: Path) -> list[dict]:
+    """The file's stamps as written; unreadable lines (a kill mid-write) are left out."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
-        return out
+        return []
+    out = []
     for line in lines:
         try:
             record = json.loads(line)
-            out.append((str(record["phase"]), float(record["t"])))
+            out.append({**record, "phase": str(record["phase"]), "t": float(record["t"])})
         except (ValueError, KeyError, TypeError):
             continue
-    return sorted(out, key=lambda item: item[1])
+    return out
+
+
+def read(path: Path) -> list[tuple[str, float]]:
+    """(phase, seconds) in the order they happened."""
+    return sorted(((record["phase"], record["t"]) for record in records(path)), key=lambda item: item[1])
 
 
 def summary(path: Path) -> str:
@@ -103,18 +108,8 @@ def summary(path: Path) -> str:
 
 def first_step_timers(path: Path) -> dict[str, float]:
     """verl's own timers of the first step (`timing_s/*` of its `step:1` line), as the launch stamped them."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        try:
-            record = json.loads(line)
-            if record.get("phase") == FIRST_STEP_PHASE:
-                return {str(name): float(s) for name, s in (record.get("timers") or {}).items()}
-        except (ValueError, TypeError, AttributeError):
-            continue
-    return {}
+    stamped = [record.get("timers") for record in records(path) if record["phase"] == FIRST_STEP_PHASE]
+    return dict(stamped[0]) if stamped and isinstance(stamped[0], dict) else {}
 
 
 def draw(run: Path, out: Path) -> tuple[list[str], str]:

@@ -512,11 +512,19 @@ def test_the_verdict_gives_this_runs_wall_time_and_what_it_went_on_from(tmp_path
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps({"accuracy": accuracy, "data": test,
                                                                    "rows": 1000, "limit": None}))
+    (tmp_path / "grpo" / "logs" / "timeline-head.jsonl").write_text(  # as the GRPO stage's launch stamped it
+        json.dumps({"phase": "driver started", "t": 30.0}) + "\n" + json.dumps(
+            {"phase": "first step done", "t": 250.0, "timers": {"gen": 20.0, "update_weights": 5.0, "step": 35.0}}))
     assert demo.main("demo", [], load()) == 0
     figures = json.loads((tmp_path / "demo.json").read_text())
     assert figures["total_seconds"] == 30.0 * len(stages) and figures["wall_seconds"] < 30.0
     assert figures["skipped"] == [s.name for s in stages] and figures["resumed"] == ["grpo"]
-    verdict = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert figures["grpo_startup"] == {"driver started": 30.0, "first step done": 250.0}
+    assert figures["grpo_first_step_timers"] == {"gen": 20.0, "update_weights": 5.0, "step": 35.0}
+    out = capsys.readouterr().out
+    assert "GRPO's start-up, 250 s to first step done" in out
+    assert "step 1 by verl's timers, s: gen 20.0, update_weights 5.0; outside them 10.0 of the step's 35.0" in out
+    verdict = out.rstrip().splitlines()[-1]
     assert verdict.startswith(f"demo passed in {figures['wall_seconds']:.0f}s (this run only: prep, tiny-model,")
     assert "report done by an earlier run; the cut-short earlier attempts of grpo not counted)" in verdict
     assert "A0 = 50.0%, after GRPO A1 = 90.0% on 1000 unseen test items" in verdict
