@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 import time
 from pathlib import Path
 
@@ -96,11 +97,9 @@ def summary(path: Path) -> str:
     timers = first_step_timers(path)
     step = timers.pop("step", None)
     if timers:
-        import textwrap
-
         parts = [f"{name} {s:.1f}" for name, s in sorted(timers.items(), key=lambda item: -item[1])]
-        rest = step - sum(timers.values()) if step is not None else -1.0
-        tail = f"; outside them {rest:.1f} of the step's {step:.1f}" if rest >= 0 else ""
+        rest = None if step is None else step - sum(timers.values())  # below 0 where verl's timers nest
+        tail = f"; outside them {rest:.1f} of the step's {step:.1f}" if rest is not None and rest >= 0 else ""
         rows += textwrap.wrap(f"step 1 by verl's timers, s: {', '.join(parts)}{tail}", 100, initial_indent="  ",
                               subsequent_indent="    ")
     return "\n".join(rows)
