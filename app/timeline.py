@@ -19,10 +19,27 @@ from pathlib import Path
 VERL_LINES = (("trainer workers ready", "actor and ref model engine initialized"),
               ("vLLM engines ready", "checkpoint engine manager initialized"),
               ("ready to fit", "all initialize finished, ready to fit"))
-FIRST_STEP = re.compile(r"\bstep:1 - ")  # verl's console logger: the first step's metrics, SFT and GRPO alike
+STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")  # verl's console logger, once per step, SFT and GRPO alike
 FIRST_STEP_PHASE = "first step done"
-# `timing_s/gen:24.2` (verl pprints each value: `np.float64(24.2)` where one is numpy's)
-TIMER = re.compile(r"\btiming_s/(?P<name>[\w/]+):(?:np\.float\d+\()?(?P<s>\d+(?:\.\d*)?(?:e[-+]?\d+)?)")
+
+
+def step_metrics(line: str) -> tuple[int, dict[str, float]] | None:
+    """verl's `step:N - key:value - ...` line as (N, {key: value}), None for any other line. verl pprints each
+    value, so one of numpy's reads `np.float64(24.2)`; values that are no number are left out."""
+    match = STEP_LINE.search(line)
+    if not match:
+        return None
+    metrics = {}
+    for part in match.group(2).split(" - "):
+        key, _, value = part.partition(":")
+        value = value.strip()
+        if value.startswith("np.") and value.endswith(")"):
+            value = value[value.index("(") + 1:-1]
+        try:
+            metrics[key.strip()] = float(value)
+        except ValueError:
+            pass
+    return int(match.group(1)), metrics
 
 
 def started_at() -> float:
@@ -55,8 +72,10 @@ class Timeline:
         for phase, text in VERL_LINES:
             if text in line:
                 self.stamp(phase)
-        if FIRST_STEP.search(line) and not self.summarised:
-            self.stamp(FIRST_STEP_PHASE, timers={m["name"]: float(m["s"]) for m in TIMER.finditer(line)})
+        step = step_metrics(line)
+        if step and step[0] == 1 and not self.summarised:
+            self.stamp(FIRST_STEP_PHASE, timers={k.removeprefix("timing_s/"): v for k, v in step[1].items()
+                                                 if k.startswith("timing_s/")})
             self.summarised = True
             print(summary(self.path), flush=True)
 

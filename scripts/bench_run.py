@@ -17,25 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
-
-
-def parse_metrics(rest: str) -> dict[str, float]:
-    metrics = {}
-    for part in rest.split(" - "):
-        key, _, value = part.partition(":")
-        try:
-            metrics[key.strip()] = float(value)
-        except ValueError:
-            pass
-    return metrics
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from any directory
+from app.timeline import step_metrics  # noqa: E402  (one reader of verl's step line, with the launch's)
 
 
 def main() -> int:
@@ -72,11 +62,11 @@ def main() -> int:
         for line in proc.stdout:
             now = time.monotonic() - start
             log.write(f"[{now:8.2f}] {line}")
-            match = STEP_LINE.search(line)
-            if match:
-                steps.append((int(match.group(1)), now, parse_metrics(match.group(2))))
+            step = step_metrics(line)
+            if step:
+                steps.append((step[0], now, step[1]))
                 print(f"[{args.label} {now:7.1f}s] {line.strip()[:400]}", flush=True)
-                if int(match.group(1)) >= args.steps:
+                if step[0] >= args.steps:
                     stopped = "stopped after the last timed step"
                     break
     deadline.cancel()
