@@ -82,6 +82,9 @@ for name in "${configs[@]}"; do
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset
                o0) extra+=' +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
+               # vLLM captures CUDA graphs for every batch size up to twice max_num_seqs (verl's 256), piecewise and
+               # full: nine powers of two instead, a decode batch padded up to the next one
+               graphs) extra+=" actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,2,4,8,16,32,64,128,256]" ;;
                # sdpa for the trainer where flash-attn is missing, instead of FlexAttention, whose compile is in
                # step 1: transformers masks packed samples apart from their position_ids, with a dense mask (the
                # token budget shrinks to hold it)
