@@ -82,6 +82,9 @@ for name in "${configs[@]}"; do
                # captures without it: its Dynamo and Inductor compile leaves the start-up, the launch-bound decode
                # keeps its graphs (enforce_eager would drop both). verl only fills in cudagraph_mode where unset
                o0) extra+=' +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={mode:0,cudagraph_mode:FULL}' ;;
+               # TransferQueue's storage as 2 Ray actors instead of verl's 8, each a process started before the
+               # dataloader (its own advice: at least 2 per node)
+               tq2) extra+=" transfer_queue.backend.SimpleStorage.num_data_storage_units=2" ;;
                # vLLM captures CUDA graphs for every batch size up to twice max_num_seqs (verl's 256), piecewise and
                # full: nine powers of two instead, a decode batch padded up to the next one
                graphs) extra+=" actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,2,4,8,16,32,64,128,256]" ;;
