@@ -72,8 +72,8 @@ class Timeline:
         for phase, text in VERL_LINES:
             if text in line:
                 self.stamp(phase)
-        step = step_metrics(line)
-        if step and step[0] == 1 and not self.summarised:
+        step = None if self.summarised else step_metrics(line)  # no parse of later steps' lines
+        if step and step[0] == 1:
             self.stamp(FIRST_STEP_PHASE, timers={k.removeprefix("timing_s/"): v for k, v in step[1].items()
                                                  if k.startswith("timing_s/")})
             self.summarised = True
