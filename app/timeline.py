@@ -18,7 +18,10 @@ from pathlib import Path
 # (phase, what verl 0.9.1 prints when it ends): trainer/ppo/v1/trainer_base.py's _setup, in its order
 VERL_LINES = (("trainer workers ready", "actor and ref model engine initialized"),
               ("vLLM engines ready", "checkpoint engine manager initialized"),
-              ("ready to fit", "all initialize finished, ready to fit"))
+              ("ready to fit", "all initialize finished, ready to fit"),
+              # not verl's words but Ray's prefix on the first line any of them prints: verl creates its agent-loop
+              # workers after `ready to fit`, step 1 waits while each imports vLLM (docs/gpu-runs.md, run 45)
+              ("agent-loop workers up", "(AgentLoopWorker"))
 STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")  # verl's console logger, once per step, SFT and GRPO alike
 FIRST_STEP_PHASE = "first step done"
 

@@ -239,7 +239,7 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
 
     assert [p for p, _ in read(run / "logs" / "timeline-head.jsonl")] == [
         "preflight done", "Ray head up", "all nodes joined", "driver started", "trainer workers ready",
-        "vLLM engines ready", "ready to fit", "first step done"]
+        "vLLM engines ready", "ready to fit", "agent-loop workers up", "first step done"]
     assert "start-up on this node" in head_text
     assert [p for p, _ in read(run / "logs" / "timeline-worker-127.0.0.2.jsonl")] == ["preflight done",
                                                                                      "the head answers"]

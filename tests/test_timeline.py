@@ -18,18 +18,21 @@ def test_the_launch_stamps_verls_own_lines_once_and_prints_the_summary_after_the
                     "(TaskRunner pid=7) INFO checkpoint engine manager initialized",
                     "(TaskRunner pid=7) INFO actor and ref model engine initialized",  # again: stamped once
                     "(TaskRunner pid=7) INFO all initialize finished, ready to fit",
+                    "\x1b[36m(AgentLoopWorkerTQ pid=9)\x1b[0m Using dataset class: RLHFDataset",  # Ray's colours
+                    "\x1b[36m(AgentLoopWorkerTQ pid=8)\x1b[0m Using dataset class: RLHFDataset",
                     "step:1 - actor/pg_loss:0.1 - timing_s/gen:24.2 - timing_s/old_log_prob:np.float64(42.7) - "
                     "timing_s/update_actor:26.0 - timing_s/update_weights:3.1 - timing_s/step:124.0",
                     "step:2 - actor/pg_loss:0.1 - timing_s/gen:3.0"]:
         line.watch(printed)
     phases = [phase for phase, _ in timeline.read(line.path)]
-    assert phases == ["preflight done", "trainer workers ready", "vLLM engines ready", "ready to fit", "first step done"]
+    assert phases == ["preflight done", "trainer workers ready", "vLLM engines ready", "ready to fit",
+                      "agent-loop workers up", "first step done"]
     out = capsys.readouterr().out
     assert out.count("start-up on this node") == 1 and "first step done" in out  # once, after step 1
-    rows = [row.split() for row in out.splitlines()[2:7]]
+    rows = [row.split() for row in out.splitlines()[2:8]]
     assert [row[-1] for row in rows][-1].endswith("%") and all(float(row[-3]) >= 10 for row in rows)
     # where step 1 went, by verl's own timers, largest first, and what none of them covers
-    assert out.splitlines()[7].startswith("  step 1 by verl's timers") and " ".join(out.split("\n", 7)[7].split()) == (
+    assert out.splitlines()[8].startswith("  step 1 by verl's timers") and " ".join(out.split("\n", 8)[8].split()) == (
         "step 1 by verl's timers, s: old_log_prob 42.7, update_actor 26.0, gen 24.2, update_weights 3.1; "
         "outside them 28.0 of the step's 124.0")
 
