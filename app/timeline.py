@@ -72,10 +72,12 @@ class Timeline:
     def watch(self, line: str) -> None:
         """A line the launch's child printed: stamp the phase it ends; after the first step, the summary with
         where the step went by verl's own timers (GRPO's `timing_s/*`; SFT logs none)."""
+        if self.summarised:  # start-up over: later lines are only copied (agent-loop workers print every step)
+            return
         for phase, text in VERL_LINES:
             if text in line:
                 self.stamp(phase)
-        step = None if self.summarised else step_metrics(line)  # no parse of later steps' lines
+        step = step_metrics(line)
         if step and step[0] == 1:
             self.stamp(FIRST_STEP_PHASE, timers={k.removeprefix("timing_s/"): v for k, v in step[1].items()
                                                  if k.startswith("timing_s/")})
