@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # SIGTERM (docker stop, kill, timeout) unwinds like Ctrl-C: temporaries removed, children stopped
     signal.signal(signal.SIGTERM, raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (a background job)
+        signal.signal(signal.SIGINT, raise_terminated)
     try:
         from app.settings import load
 

@@ -69,8 +69,18 @@ class Terminated(KeyboardInterrupt):
     atomic_path cleans up exactly as for an interrupt; the CLI reports it as one line, exit 143."""
 
 
+_stopping = False
+
+
 def raise_terminated(signum, frame) -> None:
-    raise Terminated
+    """The handler of SIGTERM (and of SIGINT where Ctrl-C is not ignored): the first raises Terminated (or
+    KeyboardInterrupt); later ones are let pass, because one raised inside the cleanup the first started (a
+    scheduler's second SIGTERM, a second Ctrl-C) would cut it short and leave the Ray head or trainer running."""
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 def _pid_alive(pid: int) -> bool:

@@ -103,7 +103,10 @@ def test_after_the_grpo_driver_fails_the_head_is_stopped_and_the_node_is_as_foun
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_waiting_grpo_head_is_one_line_143_and_the_node_is_as_found(ray_env, tmp_path):
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM]])
+def test_sigterm_to_a_waiting_grpo_head_is_one_line_143_and_the_node_is_as_found(ray_env, tmp_path, signals):
+    """Also when more signals follow while it stops (a scheduler's second SIGTERM, an impatient Ctrl-C): they do not
+    cut its cleanup short, which would leave the Ray head and the held driver running."""
     env = {**ray_env, "NNODES": "2", "WAIT_TIMEOUT": "300"}
     head = start_app("grpo-head", env, tmp_path / "head.log")
     try:
@@ -112,7 +115,9 @@ def test_sigterm_to_a_waiting_grpo_head_is_one_line_143_and_the_node_is_as_found
         while not cluster_file.exists() and time.monotonic() < deadline and head.poll() is None:
             time.sleep(0.5)
         assert cluster_file.read_text().endswith(f":{ray_env['RAY_PORT']}")  # what Ray records while it runs
-        head.send_signal(signal.SIGTERM)  # to the app alone, as `docker stop` / `kill PID` do
+        for signum in signals:  # to the app alone, as `docker stop` / `kill PID` do
+            head.send_signal(signum)
+            time.sleep(0.3)
         code = head.wait(timeout=120)
     finally:
         stop_group(head)
