@@ -95,18 +95,32 @@ def run_dir_held(plan: Preflight, node_name: str, command: str, dry: bool):
             lock.release()
 
 
-def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str],
-                timeline: Timeline | None = None, log: Path | None = None) -> int:
-    """Run a long foreground process with our environment, in a process group of its own: its output is the
-    progress, copied through line by line for the timeline to read, or goes to `log`. Interrupted (Ctrl-C,
-    SIGTERM), it and its children get SIGTERM and time to stop."""
-    say(f"$ {shlex.join(command)}" + (f" (its output: {log})" if log else ""))
-    pipe = open(log, "a") if log else subprocess.PIPE if timeline else None
-    process = subprocess.Popen(command, env=settings.environ({**extra_env, "PYTHONUNBUFFERED": "1"}), stdout=pipe,
+def start_process(settings: Settings, command: list[str], extra_env: dict[str, str], *, piped: bool,
+                  log: Path | None = None, held: bool = False) -> subprocess.Popen:
+    """A process with our environment, in a process group of its own; its output piped (for the timeline) or going
+    to `log`. held: its stdin is a pipe, for app.gate's go (run_process writes it)."""
+    pipe = open(log, "a") if log else subprocess.PIPE if piped else None
+    process = subprocess.Popen(command, env=settings.environ({**extra_env, "PYTHONUNBUFFERED": "1"}),
+                               stdin=subprocess.PIPE if held else None, stdout=pipe,
                                stderr=subprocess.STDOUT if log else pipe, text=True, errors="replace",
                                start_new_session=True)
     if log:
         pipe.close()
+    return process
+
+
+def run_process(settings: Settings, what: str, command: list[str], extra_env: dict[str, str],
+                timeline: Timeline | None = None, log: Path | None = None,
+                held: subprocess.Popen | None = None) -> int:
+    """Run a long foreground process (or let `held`, started by start_process, go): its output is the progress,
+    copied through line by line for the timeline to read, or goes to `log`. Interrupted (Ctrl-C, SIGTERM), it and
+    its children get SIGTERM and time to stop."""
+    say(f"$ {shlex.join(command)}" + (f" (its output: {log})" if log else ""))
+    process = held or start_process(settings, command, extra_env, piped=timeline is not None, log=log)
+    if held:
+        with contextlib.suppress(BrokenPipeError):  # it ended already: its exit code says how
+            held.stdin.write("go\n")
+            held.stdin.close()
     copies = [threading.Thread(target=_copy, args=(source, sink, timeline), daemon=True)
               for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)) if source and timeline]
     for copy in copies:
@@ -483,24 +497,28 @@ def launch_grpo_head(settings: Settings) -> int:
         # this attempt's tracking and compile settings also travel in the job's runtime_env, to actors on every
         # node, even under a Ray head this command did not start
         extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})
-        driver_cmd = [sys.executable, "-m", settings["GRPO_TRAINER_MODULE"],
+        # verl's driver, held by app.gate: it imports verl, torch and Ray while the head starts and the nodes join,
+        # and runs once they have (its imports are most of its start: docs/benchmarks.md)
+        driver_cmd = [sys.executable, "-m", "app.gate", settings["GRPO_TRAINER_MODULE"],
                       *hydra_args("grpo", [*spec.overrides, *extra_overrides])]
         extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
                        "GPU(s))", {**extra, "RAY_ADDRESS": spec.ray_address}, [
                            ("start the Ray head (stopped again when GRPO ends)", head_cmd),
-                           (f"then wait up to {timeout}s for {spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) "
-                            "each, every one running this run (ray.nodes()), then run GRPO against that cluster",
-                            driver_cmd)])
+                           (f"and GRPO's driver, which imports meanwhile and runs against that cluster once "
+                            f"{spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) each, every one running this run "
+                            f"(ray.nodes()), have joined (waiting up to {timeout}s)", driver_cmd)])
             return 0
         fingerprint = write_fingerprint(plan, "head")
         extra["STACK_RUN"] = str(fingerprint)
         # a write, not a read: the wait's driver (a spawned interpreter) inherits os.environ, joins with the token
         os.environ.update(auth)
         warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
-        head = None
+        head = driver = None
+        driver_env = {**extra, "RAY_ADDRESS": spec.ray_address}
         try:
+            driver = start_process(settings, driver_cmd, driver_env, piped=True, held=True)
             if existing:
                 say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
             else:
@@ -514,8 +532,9 @@ def launch_grpo_head(settings: Settings) -> int:
             timeline.stamp("all nodes joined")
             say(f"cluster ready: {describe_nodes(nodes)}")
             timeline.stamp("driver started")
-            rc = run_process(settings, "grpo", driver_cmd, {**extra, "RAY_ADDRESS": spec.ray_address}, timeline)
+            rc = run_process(settings, "grpo", driver_cmd, driver_env, timeline, held=driver)
         finally:
+            stop_group(driver, "the GRPO driver")
             warmup.stop(warm)
             if head is not None:
                 say("stopping the Ray head (workers leave when it goes away)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark of preflight + plan: `DRY_RUN=1 python -m app sft|grpo-head` (compose the profile over verl's
 # packaged config, every preflight check, both GSM8K parquet files read and checked, the plan printed),
-# plus `python -m app check grpo` for contrast (it adds verl's own validate_config, which imports verl).
+# plus `python -m app check grpo` (the GRPO dry run and the check both run verl's own validate_config).
 # Inputs: the full bundled GSM8K (make prep) and a tiny local model, both in a throw-away directory.
 # Usage: scripts/bench_preflight.sh [RUNS]   (default 5). Results go to docs/benchmarks.md.
 set -euo pipefail
@@ -31,24 +31,15 @@ measure "DRY_RUN=1 sft" env DRY_RUN=1 "$python" -m app sft
 measure "DRY_RUN=1 grpo-head" env DRY_RUN=1 "$python" -m app grpo-head
 measure "check grpo (+verl validate)" "$python" -m app check grpo
 [ ! -e "$work/run" ] && echo "dry runs left no run directory behind"
-# what the speed rests on: composing with libyaml gives the very config PyYAML's parser gives (the parser
-# verl's entry point uses), and the plan imports neither pandas nor pyarrow.dataset
-"$python" - <<'PY'
-import contextlib, io, os, sys
-from omegaconf import OmegaConf
-from app import composition as c, perf, preflight as p
+# what the time goes to: the heavy imports each dry run makes (the data checks count tokens with transformers,
+# which imports torch; GRPO's adds verl's validate_config)
+for command in sft grpo-head; do
+  DRY_RUN=1 "$python" - "$command" <<'PY'
+import contextlib, io, sys
 from app.__main__ import main
-from app.settings import load
-for job in ("sft", "grpo"):
-    launch = p.read_launch(job, load())
-    overrides = p.with_user_args(p.stack_overrides(launch, perf.overrides(job, launch)[0]), launch.args)
-    fast, stock = (repr(OmegaConf.to_container(c.compose(job, overrides, libyaml=flag))) for flag in (True, False))
-    assert fast == stock, f"{job}: libyaml and PyYAML compose different configs"
-print("sft and grpo configs composed with libyaml == with PyYAML's pure-Python parser")
-os.environ["DRY_RUN"] = "1"
-for command in ("sft", "grpo-head"):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        assert main([command]) == 0, command
-heavy = [name for name in ("pandas", "pyarrow.dataset", "torch", "ray", "verl") if name in sys.modules]
-print(f"of pandas, pyarrow.dataset, torch, ray, verl the dry runs imported: {', '.join(heavy) or 'none'}")
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main([sys.argv[1]]) == 0, sys.argv[1]
+heavy = [name for name in ("pandas", "pyarrow.dataset", "transformers", "torch", "ray", "verl") if name in sys.modules]
+print(f"DRY_RUN=1 {sys.argv[1]} imports, of pandas, pyarrow.dataset, transformers, torch, ray, verl: {', '.join(heavy) or 'none'}")
 PY
+done

@@ -4,11 +4,13 @@ our targets), so a typo in a candidate costs no device time (one did in docs/gpu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -51,3 +53,27 @@ def test_every_sft_bench_config_composes(tmp_path):
     result = bench("bench_sft.sh", configs, tmp_path, SEQ_TOKENS="64", BATCH="4")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert f"== BENCH_CHECK: {' '.join(configs)} compose" in result.stdout
+
+
+def test_the_preflight_bench_times_every_command_and_names_what_each_dry_run_imports(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "scripts" / "bench_preflight.sh"), "1"], capture_output=True, text=True,
+                            timeout=600, cwd=REPO, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    for label in ("DRY_RUN=1 sft", "DRY_RUN=1 grpo-head", "check grpo (+verl validate)"):
+        assert re.search(rf"^{re.escape(label)} +run 1: +[\d.]+ s wall", result.stdout, re.M), label
+    assert "dry runs left no run directory behind" in result.stdout
+    assert re.search(r"^DRY_RUN=1 grpo-head imports, of .*: .*verl", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.slow
+def test_the_startup_bench_starts_grpo_head_with_verls_driver_in_both_trees_and_leaves_nothing_running(tmp_path):
+    """One run each of HEAD and this tree (the same code in CI): real Ray heads, verl's real driver up to its
+    TaskRunner, stopped with SIGTERM; the script itself fails where a start leaves a process behind."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--ref", "HEAD", "--runs", "1",
+                             "--logs", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("BENCH ")]
+    assert [r["label"].split()[0] for r in records] == ["HEAD", "this"]
+    for record in records:
+        assert 0 < record["cluster ready s"] < record["TaskRunner up s"]
+    assert "stopped by SIGTERM" in (tmp_path / "this-1.log").read_text()

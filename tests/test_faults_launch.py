@@ -42,8 +42,9 @@ def ray_env(base_env):
     subprocess.run(["rm", "-rf", temp])
 
 
-def ray_processes_of(temp: str) -> list[str]:
-    """Live processes that belong to a Ray instance under the temp dir `temp` (their command lines name it)."""
+def processes_naming(temp: str) -> list[str]:
+    """Live processes whose command lines name `temp`: a Ray instance's under its temp dir, a run's driver (held
+    or running: its overrides name the run directory)."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
@@ -55,9 +56,9 @@ def ray_processes_of(temp: str) -> list[str]:
 def assert_node_left_as_found(env: dict[str, str], head_address: str) -> None:
     temp = env["RAY_TMPDIR"]
     deadline = time.monotonic() + 30  # raylet's workers exit a moment after their raylet
-    while ray_processes_of(temp) and time.monotonic() < deadline:
+    while processes_naming(temp) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray_processes_of(temp) == []
+    assert processes_naming(temp) == [] and processes_naming(env["CKPT_DIR"]) == []
     assert not (Path(temp) / "ray" / "ray_current_cluster").exists()
     # a plain Ray program on this machine (no address: what `python -m verl.trainer.main_ppo` does) starts
     # its own local cluster at once, instead of trying to join our departed head
@@ -224,7 +225,7 @@ def test_a_ray_port_held_by_something_else_is_refused_naming_the_holder(ray_env)
         server.listen()
         line = the_one_error(run_app("grpo-head", env={**ray_env, "WAIT_TIMEOUT": "600"}, timeout=120))
     assert line.startswith(f"error: RAY_PORT {ray_env['RAY_PORT']} is in use by python") and "which is not a Ray head" in line
-    assert ray_processes_of(ray_env["RAY_TMPDIR"]) == []
+    assert processes_naming(ray_env["RAY_TMPDIR"]) == []
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
                                        "TORCH_COMPILE_JOB_ID": "my-job"})
     assert result.returncode == 0, result.stderr
     assert "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout and "export TORCH_COMPILE_JOB_ID=my-job" in result.stdout
-    assert "-m verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
+    assert "-m app.gate verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
 
 
 @pytest.mark.slow

@@ -1,0 +1,46 @@
+"""`python -m app.gate MODULE ARGS...`: `python -m MODULE ARGS...`, held at the start until a line comes on stdin.
+
+grpo-head starts verl's driver this way together with the Ray head: the driver imports what MODULE imports (verl,
+torch, Ray: seconds to tens of seconds, docs/benchmarks.md) while the head starts and the nodes join, and runs once
+the cluster is ready. End of input (the launch stopped first) exits 0 without running it. On a terminal it runs at
+once."""
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import runpy
+import sys
+
+
+def import_what_it_imports(module: str) -> None:
+    """The module's own top-level imports, not the module: importing it would run its code twice (once here, once as
+    __main__). Any failure is left to the real run, which meets it again and reports it as `python -m` does."""
+    with contextlib.suppress(Exception):
+        source = importlib.util.find_spec(module).loader.get_source(module)
+        for node in ast.parse(source).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                importlib.import_module(name)
+
+
+def main() -> int:
+    module, args = sys.argv[1], sys.argv[2:]
+    import_what_it_imports(module)
+    if not sys.stdin.isatty() and not sys.stdin.readline():
+        return 0
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:  # as `python -m` says it, without a traceback
+        print(f"{sys.executable}: No module named {module}", file=sys.stderr)
+        return 1
+    sys.argv = [module, *args]  # run_module sets argv[0] to the module's file, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""GRPO's start-up on this CPU machine, up to verl's TaskRunner: this tree against REF, in the same run.
+
+    python scripts/bench_startup.py [--ref REF] [--runs N]     (default: HEAD~1, 3 runs each, alternating)
+
+Each run is a real `python -m app grpo-head` (a Ray head on 127.0.0.1, the full bundled GSM8K, a tiny model) with
+verl's own driver, verl.trainer.main_ppo, under another module name: preflight refuses the real name on a node
+without GPUs, and that check is not what is timed. Each output line is stamped on arrival; the run is stopped with
+SIGTERM at the TaskRunner's first line (on CPU, verl's GPU workers never come up), and must then leave no process
+of its Ray instance or its run behind. Prints a table and one `BENCH {json}` line per run (docs/bench/*.jsonl).
+REF is checked out as a git worktree beside this one's temp files and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+MARKS = {"cluster ready": "cluster ready:", "driver's ray.init": "ray init kwargs:", "TaskRunner up": "(TaskRunnerV1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_start(tree: Path, work: Path, log: Path) -> dict[str, float]:
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
+    env = {**os.environ, "DATA_DIR": str(work / "data"), "MODEL_PATH": str(work / "model"),
+           "CKPT_DIR": str(work / "run"), "NNODES": "1", "GPUS_PER_NODE": "1", "RAY_TMPDIR": str(ray_tmp),
+           "HEAD_IP": "127.0.0.1", "RAY_PORT": str(free_port()), "GRPO_TRAINER_MODULE": "verl_driver",
+           "RAY_START_ARGS": "--num-gpus 1 --num-cpus 4 --include-dashboard false", "FRESH": "1",
+           "PYTHONPATH": f"{work}{os.pathsep}{tree}", "PYTHONUNBUFFERED": "1"}
+    seen: dict[str, float] = {}
+    stopped = False
+    start = time.monotonic()
+    app = subprocess.Popen([sys.executable, "-m", "app", "grpo-head"], cwd=tree, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+    with open(log, "w") as out:
+        for line in app.stdout:
+            now = time.monotonic() - start
+            out.write(f"{now:7.2f} {line}")
+            for mark, text in MARKS.items():
+                if text in line and mark not in seen:
+                    seen[mark] = round(now, 2)
+            if "TaskRunner up" in seen and not stopped:
+                app.send_signal(signal.SIGTERM)  # once, as `docker stop` does: the launch stops what it started
+                stopped = True
+    app.wait(timeout=300)
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if any(str(d) in " ".join(p.info["cmdline"] or []) for d in (ray_tmp, work / "run"))]
+    subprocess.run(["rm", "-rf", str(ray_tmp)])
+    if len(seen) != len(MARKS) or left:
+        sys.exit(f"error: {tree}: a start reached {sorted(seen)} and left {left} running (see {log})")
+    return seen
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ref", default="HEAD~1")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--logs", default=None, help="keep each run's stamped output here (default: a temp dir)")
+    args = parser.parse_args()
+    def commit(ref: str) -> str:
+        return subprocess.check_output(["git", "rev-parse", "--short", ref], cwd=REPO, text=True).strip()
+
+    trees = {f"{args.ref} ({commit(args.ref)})": None, f"this tree ({commit('HEAD')}+)": REPO}
+    with tempfile.TemporaryDirectory() as temp:
+        work = Path(temp)
+        logs = Path(args.logs or work / "logs")
+        logs.mkdir(parents=True, exist_ok=True)
+        ref_tree = work / "ref"
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(ref_tree), args.ref], cwd=REPO, check=True)
+        trees[next(iter(trees))] = ref_tree
+        try:
+            python = [sys.executable, "-m", "app"]
+            subprocess.run([*python, "prep", "gsm8k"], cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "DATA_DIR": str(work / "data"), "GSM8K_SOURCE": ""})
+            subprocess.run([*python, "tiny-model", str(work / "model")], cwd=REPO, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # verl's driver under a name preflight's GPU check lets pass on CPU
+            (work / "verl_driver.py").write_text("from verl.trainer.main_ppo import main\n\nif __name__ == '__main__':"
+                                                 "\n    main()\n")
+            model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+            machine = f"{os.cpu_count()} CPU cores ({model}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+            command = f"python scripts/bench_startup.py --ref {args.ref} --runs {args.runs}"
+            print(f"machine: {machine}; load average {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"{'tree':28} {'run':>3} " + " ".join(f"{m:>18}" for m in MARKS), flush=True)
+            for run in range(1, args.runs + 1):
+                for label, tree in trees.items():
+                    seen = one_start(tree, work, logs / f"{label.split()[0]}-{run}.log")
+                    print(f"{label:28} {run:>3} " + " ".join(f"{seen[m]:>16.2f} s" for m in MARKS), flush=True)
+                    print("BENCH " + json.dumps({"label": label, "run": run, "date": time.strftime("%Y-%m-%d"),
+                                                 "machine": machine, "command": command,
+                                                 **{f"{m} s": seen[m] for m in MARKS}}), flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(ref_tree)], cwd=REPO)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
