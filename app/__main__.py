@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from app.common import Terminated, UserError, raise_terminated
+from app.common import Terminated, UserError, stop_once
 
 # Top-level packages the stack imports (pyproject.toml's dependencies and what they bring). A
 # ModuleNotFoundError for one of them means this interpreter is not the stack's environment, not a bug.
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}; run `python -m app --help` for the list", file=sys.stderr)
         return 2
     # SIGTERM (docker stop, kill, timeout) unwinds like Ctrl-C: temporaries removed, children stopped
-    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGTERM, stop_once)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (a background job)
-        signal.signal(signal.SIGINT, raise_terminated)
+        signal.signal(signal.SIGINT, stop_once)
     try:
         from app.settings import load
 

@@ -69,18 +69,22 @@ class Terminated(KeyboardInterrupt):
     atomic_path cleans up exactly as for an interrupt; the CLI reports it as one line, exit 143."""
 
 
-_stopping = False
-
-
 def raise_terminated(signum, frame) -> None:
-    """The handler of SIGTERM (and of SIGINT where Ctrl-C is not ignored): the first raises Terminated (or
-    KeyboardInterrupt); later ones are let pass, because one raised inside the cleanup the first started (a
-    scheduler's second SIGTERM, a second Ctrl-C) would cut it short and leave the Ray head or trainer running."""
-    global _stopping
-    if _stopping:
-        return
-    _stopping = True
-    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise Terminated
+
+
+def stop_once(signum, frame) -> None:
+    """The CLI's handler of SIGTERM and Ctrl-C: the first raises (Terminated, KeyboardInterrupt); later ones are let
+    pass, because one raised inside the cleanup the first started (a scheduler's second SIGTERM, a second Ctrl-C)
+    would cut it short and leave the Ray head or trainer running."""
+    for other in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(other) is stop_once:
+            signal.signal(other, _let_pass)  # a Python handler, not SIG_IGN: a child started later gets the default
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
+def _let_pass(signum, frame) -> None:
+    pass
 
 
 def _pid_alive(pid: int) -> bool:
