@@ -27,7 +27,7 @@ from pathlib import Path
 
 from app import node, spec as specs, warmup
 from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, say, stop_group, warn
-from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report
+from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report, verl_checks
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
@@ -338,9 +338,10 @@ def describe_nodes(nodes: list[dict]) -> str:
 
 
 def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float, run: Path,
-                   head: subprocess.Popen | None = None, on_up=lambda: None) -> list[dict]:
+                   head: subprocess.Popen | None = None, on_up=lambda: None, also=lambda: None) -> list[dict]:
     """Block until `nnodes` alive Ray nodes with >= `gpus_per_node` GPUs each are in the cluster, each running the
     same run as this head (its fingerprint file `run`, compared with the one every node's `ray start` was given).
+    `also` is called while waiting, to refuse at once for a reason of the caller's (a failed check).
 
     Ray's own view (ray.nodes()) through a short-lived driver in a fresh interpreter: Ray reads its token
     settings once per process, and this one may have imported Ray (through verl) before they were set."""
@@ -349,6 +350,7 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     deadline = time.monotonic() + timeout
     host, port = address.rsplit(":", 1)
     while not node.port_open(host, int(port)):
+        also()
         if head is not None and head.poll() is not None:
             raise UserError(f"`ray start --head` exited with code {head.returncode} ({last_line(run.parent / 'ray-head.log')}"
                             f"): is {address} already in use or not this machine's address? set HEAD_IP / RAY_PORT")
@@ -367,6 +369,7 @@ def wait_for_nodes(address: str, nnodes: int, gpus_per_node: int, timeout: float
     answered = False
     try:
         while not receiver.poll(1.0):
+            also()
             if head is not None and head.poll() is not None:
                 raise UserError(f"the Ray head stopped (exit code {head.returncode}) while waiting for nodes: "
                                 "see its output above")
@@ -460,6 +463,30 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
         ray.shutdown()
 
 
+class Background:
+    """fn() on a daemon thread (a daemon, so that a refusal elsewhere exits without waiting for it)."""
+
+    def __init__(self, fn):
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.value = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            self.error = exc
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def result(self):
+        self.thread.join()
+        self.raise_if_failed()
+        return self.value
+
+
 def compile_env(settings: Settings, *, vllm: bool) -> dict[str, str]:
     """The compile caches' settings for this node's processes: torchrun's ranks, or `ray start`, whose environment
     every actor of the node inherits. TORCH_COMPILE_JOB_ID: without a job id torch keeps no record of which sizes
@@ -479,7 +506,9 @@ def launch_grpo_head(settings: Settings) -> int:
     problem = head_ip_problem(settings["HEAD_IP"])
     if problem and not dry:  # before preflight's notes: the one line is the refusal
         raise UserError(problem)
-    plan = preflight("grpo", settings, deep=True, gpus=not dry)  # verl's validate_config on a dry run too
+    # verl's own checks (validate_config; its imports are most of preflight) run in series on a dry run, and while
+    # the head starts on a real one: a refusal there stops what started (FRESH's move aside stays, the old run whole)
+    plan = preflight("grpo", settings, deep=dry, gpus=not dry)
     spec = plan.spec
     if problem:  # a plan may be printed anywhere; starting the head may not
         warn(problem)
@@ -527,8 +556,17 @@ def launch_grpo_head(settings: Settings) -> int:
                 with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
                     head = subprocess.Popen(head_cmd, env=settings.environ(extra), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+
+            def checked() -> list[str]:
+                notes = verl_checks(spec)
+                timeline.stamp("verl's checks passed")
+                return notes
+
+            checks = Background(checked)
             nodes = wait_for_nodes(spec.ray_address, spec.nnodes, spec.gpus_per_node, timeout, fingerprint, head,
-                                   on_up=lambda: timeline.stamp("Ray head up"))
+                                   on_up=lambda: timeline.stamp("Ray head up"), also=checks.raise_if_failed)
+            for note in checks.result():
+                say(f"ok: {note}")
             timeline.stamp("all nodes joined")
             say(f"cluster ready: {describe_nodes(nodes)}")
             timeline.stamp("driver started")

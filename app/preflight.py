@@ -2,8 +2,8 @@
 config (app.spec) before anything starts. One line per refusal, naming the setting or key to change.
 
 Checked here only what verl does not check, or checks only once Ray, vLLM or torchrun have started; with
-deep=True (make check, grpo-head) verl's own checks run here too: validate_config, and its config dataclasses'
-types over their sections.
+deep=True (make check, a dry grpo-head) verl's own checks run here too: validate_config, and its config dataclasses'
+types over their sections (a real grpo-head runs verl_checks while its head starts).
 """
 
 from __future__ import annotations

@@ -104,6 +104,27 @@ def test_after_the_grpo_driver_fails_the_head_is_stopped_and_the_node_is_as_foun
 
 
 @pytest.mark.slow
+def test_a_config_verls_checks_reject_stops_the_starting_head_at_once_and_the_node_is_as_found(ray_env, tmp_path):
+    """verl's own checks run while the head starts: their refusal is make check's line, at once (not after the
+    wait for a second node), and what had started is stopped."""
+    args = ("actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=300")
+    env = {**ray_env, "ARGS": args, "NNODES": "2", "WAIT_TIMEOUT": "600"}
+    check = assert_one_line_error(run_app("check", "grpo", env=env))
+    head = start_app("grpo-head", env, tmp_path / "head.log")
+    try:
+        code = head.wait(timeout=300)  # well inside WAIT_TIMEOUT: the refusal does not wait for the missing node
+    finally:
+        stop_group(head)
+    log = tmp_path / "head.log"
+    assert code == 2 and last_line(log) == check, log.read_text()[-3000:]
+    text = log.read_text()
+    assert check.startswith("error: verl's validate_config rejects the grpo config:") and "Traceback" not in text
+    assert "stopping the Ray head" in text
+    assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM]])
 def test_sigterm_to_a_waiting_grpo_head_is_one_line_143_and_the_node_is_as_found(ray_env, tmp_path, signals):
     """Also when more signals follow while it stops (a scheduler's second SIGTERM, an impatient Ctrl-C): they do not
