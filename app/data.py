@@ -14,6 +14,7 @@ import gzip
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 import zlib
@@ -378,17 +379,23 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
     if skip:
         notes.append(f"prompt lengths: not counted ({skip} changes how verl counts): verl's filter decides")
         return False
-    from transformers import AutoTokenizer
+    template, trust = sel(f"{model}.custom_chat_template"), bool(sel(f"{model}.trust_remote_code"))
 
-    key = sel("data.prompt_key") or "prompt"
+    @functools.cache
+    def tokenizer():
+        from transformers import AutoTokenizer
+
+        loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust)
+        if template:
+            loaded.chat_template = template
+        return loaded
+
+    recipe = dict(prompt_key=sel("data.prompt_key") or "prompt", template_kwargs=kwargs, failed=limit + 1)
     counts: dict[str, list[int]] = {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir),
-                                                  trust_remote_code=bool(sel(f"{model}.trust_remote_code")))
-        if sel(f"{model}.custom_chat_template"):
-            tokenizer.chat_template = sel(f"{model}.custom_chat_template")
         for what, path in files:
-            counts.setdefault(what, []).extend(prompt_lengths(path, tokenizer, key, kwargs, failed=limit + 1))
+            counts.setdefault(what, []).extend(
+                cached_lengths(path, tokenizer_dir, tokenizer, {**recipe, "template": template, "trust": trust}, recipe))
     except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
         reason = str(exc).splitlines()[0][:160] if str(exc) else ""
         warnings.append(f"prompt lengths not counted ({type(exc).__name__}: {reason}): "
@@ -469,6 +476,48 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
     return lengths
 
 
+# what a model directory holds besides its tokenizer: not read for the cache's key
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx")
+
+
+def cached_lengths(path: Path, tokenizer_dir: Path, tokenizer: Callable, key: dict, recipe: dict) -> list[int]:
+    """prompt_lengths(path, tokenizer(), **recipe), kept per user under ~/.cache/verl-stack/lengths: importing
+    transformers and tokenizing are most of a preflight (docs/benchmarks.md), and every launch counts the same
+    files again. The key is the data file's bytes, every tokenizer file's (weights aside), `key` and the
+    tokenizer libraries' versions: any change counts anew. A cache that cannot be read or written is skipped."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    digest = hashlib.sha256(json.dumps([key, installed("transformers"), installed("tokenizers")], sort_keys=True,
+                                       default=str).encode())
+    try:
+        files = [Path(path), *sorted(f for f in tokenizer_dir.iterdir() if f.is_file() and f.suffix not in _WEIGHTS)]
+        for file in files:
+            digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+            with open(file, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+    except OSError:
+        return prompt_lengths(path, tokenizer(), **recipe)  # verl meets the unreadable file and says so
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "verl-stack" / "lengths" / \
+        f"{digest.hexdigest()}.json"
+    with contextlib.suppress(OSError, ValueError):
+        lengths = json.loads(cache.read_text())
+        if isinstance(lengths, list) and all(type(n) is int for n in lengths):
+            return lengths
+    lengths = prompt_lengths(path, tokenizer(), **recipe)
+    with contextlib.suppress(OSError, UserError):  # UserError: atomic_path's unwritable directory or full disk
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cache) as tmp:
+            tmp.write_text(json.dumps(lengths))
+    return lengths
+
+
 def check_run_data(spec, notes: list[str], warnings: list[str]) -> bool:
     """The run's data files (app.spec's composed config) as verl will meet them: each one readable in the job's
     schema, val apart from train, a batch of rows at least (verl drops the last partial batch: SFT then divides by
@@ -508,13 +557,18 @@ def check_sft_lengths(spec, files: list[Path], warnings: list[str]) -> None:
     """SFT conversations against data.max_length, counted with the chat template verl's SFT dataset uses: verl cuts
     a longer one where data.truncation says (the profile: right, its answer off) or stops the run (error). Refused
     where verl would stop, said where it would cut: never cut silently."""
-    from transformers import AutoTokenizer
-
     limit, mode = spec.get("data.max_length"), spec.get("data.truncation")
+    tokenizer_dir = Path(str(spec.get(f"{spec.model_key}.tokenizer_path") or spec.model_path))
+
+    @functools.cache
+    def tokenizer():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    recipe = dict(prompt_key=spec.get("data.messages_key") or "messages", failed=0, generation_prompt=False)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(spec.get(f"{spec.model_key}.tokenizer_path") or spec.model_path))
-        lengths = [n for path in files for n in prompt_lengths(path, tokenizer, spec.get("data.messages_key") or
-                                                               "messages", failed=0, generation_prompt=False)]
+        lengths = [n for path in files for n in cached_lengths(path, tokenizer_dir, tokenizer, recipe, recipe)]
     except Exception as exc:  # noqa: BLE001 - whatever a tokenizer raises, verl meets it too and says so itself
         warnings.append(f"SFT lengths not counted ({type(exc).__name__}): verl's data.truncation={mode} decides")
         return

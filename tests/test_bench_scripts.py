@@ -59,7 +59,7 @@ def test_the_preflight_bench_times_every_command_and_names_what_each_dry_run_imp
     result = subprocess.run(["bash", str(REPO / "scripts" / "bench_preflight.sh"), "1"], capture_output=True, text=True,
                             timeout=600, cwd=REPO, env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    for label in ("DRY_RUN=1 sft", "DRY_RUN=1 grpo-head", "check grpo (+verl validate)"):
+    for label in ("DRY_RUN=1 sft", "DRY_RUN=1 grpo-head", "check grpo (+verl validate)", "grpo-head's preflight"):
         assert re.search(rf"^{re.escape(label)} +run 1: +[\d.]+ s wall", result.stdout, re.M), label
     assert "dry runs left no run directory behind" in result.stdout
     assert re.search(r"^DRY_RUN=1 grpo-head imports, of .*: .*verl", result.stdout, re.M), result.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -49,6 +50,23 @@ def rejects(job: str, monkeypatch, match: str, **env: str) -> str:
     with pytest.raises(UserError, match=match) as caught:
         plan_of(job, deep=True)
     return str(caught.value)
+
+
+@pytest.mark.parametrize("job", ["sft", "grpo"])
+def test_a_second_preflight_of_the_same_data_and_model_imports_no_tokenizer(launch_env, tmp_path, job):
+    """The lengths preflight counts (SFT conversations, GRPO prompts) come back from the user's cache on the next
+    launch: neither transformers nor torch is imported (they were most of a preflight: docs/benchmarks.md), and the
+    notes say what the count said."""
+    probe = ("import sys; from app.settings import load; from app.preflight import preflight; "
+             f"plan = preflight({job!r}, load()); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+             "print(*plan.notes, *plan.warnings, sep='|')")
+    env = {**os.environ, **launch_env, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    (first_imports, first_said), (second_imports, second_said) = (r.stdout.splitlines()[:2] for r in runs)
+    assert first_imports == "['torch', 'transformers']" and second_imports == "[]"
+    assert second_said == first_said and (job == "sft" or "prompt lengths: longest" in second_said)
 
 
 # --- the shipped profiles ----------------------------------------------------------------------------

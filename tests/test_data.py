@@ -437,3 +437,49 @@ def test_prompt_lengths_count_a_row_the_template_refuses_as_verl_does(tmp_path, 
     tokenizer.chat_template = tokenizer.chat_template.replace(
         loop, loop + "{% if message['content'] == 'bad' %}{{ raise_exception('no') }}{% endif %}", 1)
     assert prompt_lengths(path, tokenizer, failed=513) == [good, 513]
+
+
+def test_counted_lengths_come_back_from_the_cache_until_the_data_or_a_tokenizer_file_changes(tmp_path, tiny_model_dir,
+                                                                                             monkeypatch):
+    """Preflight's counts are kept per user (~/.cache/verl-stack/lengths): the same data and tokenizer count again
+    without loading a tokenizer; a changed data file, chat template or recipe counts anew, never a stale answer. A
+    cache that is corrupt or cannot be written is counted around."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from app.data import cached_lengths, prompt_lengths
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    path = tmp_path / "rl.parquet"
+    rl_frame().to_parquet(path)
+    loads = []
+
+    def tokenizer():
+        loads.append(1)
+        return AutoTokenizer.from_pretrained(model)
+
+    recipe = {"prompt_key": "prompt"}
+    first = cached_lengths(path, model, tokenizer, recipe, recipe)
+    assert first == prompt_lengths(path, AutoTokenizer.from_pretrained(model)) and len(loads) == 1
+    assert cached_lengths(path, model, tokenizer, recipe, recipe) == first and len(loads) == 1  # no tokenizer loaded
+    stored = list((tmp_path / "cache" / "verl-stack" / "lengths").iterdir())
+    assert len(stored) == 1 and json.loads(stored[0].read_text()) == first
+
+    rl_frame(prompt=[[{"role": "user", "content": "1+1? " * 20}]] * 2).to_parquet(path)  # the data changed
+    longer = cached_lengths(path, model, tokenizer, recipe, recipe)
+    assert len(loads) == 2 and longer[0] > first[0] + 20
+    (model / "chat_template.jinja").write_text("{{ 'x' * 0 }}" + (model / "chat_template.jinja").read_text())
+    assert cached_lengths(path, model, tokenizer, recipe, recipe) == longer and len(loads) == 3  # a template changed
+    other = {"prompt_key": "prompt", "generation_prompt": False}
+    assert cached_lengths(path, model, tokenizer, other, other) < longer and len(loads) == 4  # the recipe changed
+
+    for stale in (tmp_path / "cache" / "verl-stack" / "lengths").iterdir():
+        stale.write_text("[1, 2")  # a torn file
+    assert cached_lengths(path, model, tokenizer, other, other) < longer and len(loads) == 5
+    assert cached_lengths(path, model, tokenizer, other, other) < longer and len(loads) == 5  # written whole again
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path))  # a file: no cache directory can be made there
+    assert cached_lengths(path, model, tokenizer, recipe, recipe) == longer and len(loads) == 6
