@@ -14,7 +14,6 @@ import gzip
 import importlib.util
 import json
 import math
-import os
 import re
 import sys
 import zlib
@@ -24,7 +23,7 @@ from typing import Callable, Iterable
 
 from app.common import (REPO_ROOT, ArgParser, UserError, atomic_path, file_problem, refuse_symlink_loop, resolved,
                         say, verl_dir, warn)
-from app.settings import Settings
+from app.settings import Settings, user_cache
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"  # the name verl's default scorer routes to its GSM8K scorer
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -504,8 +503,7 @@ def cached_lengths(path: Path, tokenizer_dir: Path, tokenizer: Callable, key: di
                 digest.update(hashlib.file_digest(handle, "sha256").digest())
     except OSError:
         return prompt_lengths(path, tokenizer(), **recipe)  # verl meets the unreadable file and says so
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "verl-stack" / "lengths" / \
-        f"{digest.hexdigest()}.json"
+    cache = user_cache() / "verl-stack" / "lengths" / f"{digest.hexdigest()}.json"
     with contextlib.suppress(OSError, ValueError):
         lengths = json.loads(cache.read_text())
         if isinstance(lengths, list) and all(type(n) is int for n in lengths):

@@ -856,3 +856,8 @@ def main(command: str, argv: list[str], settings: Settings) -> int:
     for name in settings.ignored:
         say(f"note: {name} in {settings.env_file} is not read: make reads {name} from the command line or shell only")
     return 0
+
+
+def user_cache() -> Path:
+    """The user's persistent cache: $XDG_CACHE_HOME or ~/.cache (in a container, under the mounted HOME)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
