@@ -464,7 +464,7 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
 
 
 class Background:
-    """fn() on a daemon thread (a daemon, so that a refusal elsewhere exits without waiting for it)."""
+    """fn() on a thread; its caller joins it before exiting (see launch_grpo_head)."""
 
     def __init__(self, fn):
         self.value, self.error = None, None
@@ -544,7 +544,7 @@ def launch_grpo_head(settings: Settings) -> int:
         # a write, not a read: the wait's driver (a spawned interpreter) inherits os.environ, joins with the token
         os.environ.update(auth)
         warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
-        head = driver = None
+        head = driver = checks = None
         driver_env = {**extra, "RAY_ADDRESS": spec.ray_address}
         try:
             driver = start_process(settings, driver_cmd, driver_env, piped=True, held=True)
@@ -578,6 +578,8 @@ def launch_grpo_head(settings: Settings) -> int:
                 say("stopping the Ray head (workers leave when it goes away)")
                 stop_group(head, "the Ray head")
                 address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
+            if checks is not None:  # a thread still importing verl at exit would print past our last line, or
+                checks.thread.join()  # abort the interpreter's shutdown (CPython's lock on stderr)
     if rc != 0:
         raise UserError(f"the GRPO driver exited with code {rc} (its output is above): fix the cause and rerun "
                         "`make grpo-head`; it resumes from the latest checkpoint")
