@@ -379,16 +379,7 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
         notes.append(f"prompt lengths: not counted ({skip} changes how verl counts): verl's filter decides")
         return False
     template, trust = sel(f"{model}.custom_chat_template"), bool(sel(f"{model}.trust_remote_code"))
-
-    @functools.cache
-    def tokenizer():
-        from transformers import AutoTokenizer
-
-        loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust)
-        if template:
-            loaded.chat_template = template
-        return loaded
-
+    tokenizer = tokenizer_loader(tokenizer_dir, trust, template)
     recipe = dict(prompt_key=sel("data.prompt_key") or "prompt", template_kwargs=kwargs, failed=limit + 1)
     counts: dict[str, list[int]] = {}
     try:
@@ -475,6 +466,21 @@ def prompt_lengths(path: Path | str, tokenizer, prompt_key: str = "prompt", temp
     return lengths
 
 
+def tokenizer_loader(tokenizer_dir: Path, trust: bool = False, template: str | None = None) -> Callable:
+    """The tokenizer verl will load, loaded on the first call only (a cached count needs none: no transformers import)."""
+
+    @functools.cache
+    def load():
+        from transformers import AutoTokenizer
+
+        loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust)
+        if template:
+            loaded.chat_template = template
+        return loaded
+
+    return load
+
+
 # what a model directory holds besides its tokenizer: not read for the cache's key
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx")
 
@@ -557,13 +563,7 @@ def check_sft_lengths(spec, files: list[Path], warnings: list[str]) -> None:
     where verl would stop, said where it would cut: never cut silently."""
     limit, mode = spec.get("data.max_length"), spec.get("data.truncation")
     tokenizer_dir = Path(str(spec.get(f"{spec.model_key}.tokenizer_path") or spec.model_path))
-
-    @functools.cache
-    def tokenizer():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
+    tokenizer = tokenizer_loader(tokenizer_dir)
     recipe = dict(prompt_key=spec.get("data.messages_key") or "messages", failed=0, generation_prompt=False)
     try:
         lengths = [n for path in files for n in cached_lengths(path, tokenizer_dir, tokenizer, recipe, recipe)]
