@@ -2,10 +2,11 @@
 default"): the attention kernel, gradient checkpointing, and the token budget per GPU (verl's dynamic
 batch: tokens packed into one micro batch).
 
-- Attention: flash-attn's kernel where the package is installed (the image), else PyTorch's FlexAttention.
-  With verl's remove-padding every micro batch is one packed row; sdpa then gets a dense total x total
-  mask (83 ms for one 32k row of the 1.5B shape, forward + backward) where FlexAttention uses a document
-  mask (3 ms), and both keep samples apart (docs/gpu-runs.md, scripts/packing_check.py).
+- Attention: flash-attn's kernel where the package is installed (the image), else torch's own FlashAttention
+  kernel for packed rows (app/attention.py, torch >= 2.10), else PyTorch's FlexAttention. With verl's
+  remove-padding every micro batch is one packed row; sdpa then gets a dense total x total mask (83 ms for
+  one 32k row of the 1.5B shape, forward + backward) where FlexAttention uses a document mask (3 ms) but
+  compiles in the first step; all keep samples apart (docs/gpu-runs.md, scripts/packing_check.py).
 - Memory: without gradient checkpointing, and with verl's fused (triton) loss that never materialises
   the logits, a GPU holds the FSDP-sharded fp32 master weights, gradients and Adam state (16 bytes a
   parameter, over the GPUs) plus the activations of the tokens of one micro batch. The activation cost
@@ -38,6 +39,7 @@ ACT_BYTES_CKPT_KEPT = 2
 # token pair a layer. FlexAttention and flash-attn hold no such mask.
 DENSE_MASK_BYTES = 1.1
 DENSE_MASK_IMPLS = ("sdpa", "eager")
+VARLEN_ATTENTION = "varlen_attention"  # registered with transformers by app/attention.py
 # Fraction of the card the budget may plan for (the allocator's fragmentation, CUDA context, NCCL buffers).
 USABLE = 0.80
 CONTEXT_BYTES = 2 * GIB
@@ -91,10 +93,20 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def attention() -> tuple[str, str]:
-    """(attn_implementation, why) for the trainer on this node."""
+def torch_varlen_installed() -> bool:
+    """Whether torch has its FlashAttention kernel for packed rows (torch.nn.attention.varlen, 2.10 on), found
+    without importing torch (seconds)."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and (Path(spec.origin).parent / "nn" / "attention" / "varlen.py").is_file()
+
+
+def attention(packed: bool = True) -> tuple[str, str]:
+    """(attn_implementation, why) for the trainer on this node; `packed`: verl's remove-padding is on."""
     if flash_attn_installed():
         return "flash_attention_2", "flash-attn is installed"
+    if packed and torch_varlen_installed():
+        return VARLEN_ATTENTION, ("flash-attn is not installed here (the image has it); torch's own FlashAttention "
+                                  "kernel for packed samples, nothing to compile")
     return "flex_attention", "flash-attn is not installed here (the image has it); FlexAttention keeps packed samples apart"
 
 
@@ -157,7 +169,7 @@ class Note:
     keys: tuple[str, ...] = ()  # the overrides it describes
 
 
-def overrides(spec, chosen_attention: str | None = None) -> tuple[list[str], list[Note]]:
+def overrides(spec, chosen_attention: str | None = None, packed: bool = True) -> tuple[list[str], list[Note]]:
     """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
 
     Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
@@ -165,15 +177,18 @@ def overrides(spec, chosen_attention: str | None = None) -> tuple[list[str], lis
     the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
     `spec` is app.spec's, before it composes: the model and the node's size are the settings' (which the config
     then gets). The user's ARGS and CONFIG come later and win (`notes_for` then says what runs instead);
-    `chosen_attention` is the implementation they chose, for a budget that holds its mask.
+    `chosen_attention` is the implementation they chose, for a budget that holds its mask; `packed` False: they
+    turned remove-padding off, which torch's packed-row kernel needs.
     `check_budgets` refuses a budget that cannot fit.
     """
     job, settings = spec.job, spec.settings
     keys = PERF_KEYS[job]
-    impl, why = attention()
+    impl, why = attention(packed)
     attn_key = attention_key(job)
     out = [f"{attn_key}={impl}"]
     notes = [Note(f"attention: {impl} ({why})", (attn_key,))]
+    if impl == VARLEN_ATTENTION:  # verl imports it in each worker, which registers the kernel with transformers
+        out.append(f"{keys['model']}.external_lib=app.attention")
     if job == "sft" and liger():  # measured for SFT only (docs/benchmarks.md)
         out.append("model.use_liger=True")
         notes.append(Note("Liger kernels: on (liger-kernel is installed)", ("model.use_liger",)))

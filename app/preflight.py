@@ -213,7 +213,14 @@ def check_config(spec: Spec, notes: list[str], warnings: list[str]) -> None:
         warnings.append(f"{model}.use_fused_kernels=false and flash-attn is not installed: verl computes the "
                         "log-probs one token at a time (about 5k tokens/s on 1xH200, whatever the model); "
                         "keep the profile's true")
-    if sel(perf.attention_key(job)) == "flex_attention":
+    attention = sel(perf.attention_key(job))
+    if attention == perf.VARLEN_ATTENTION and not sel(f"{model}.use_remove_padding"):
+        raise UserError(f"{perf.attention_key(job)}={attention} takes verl's packed rows only: set "
+                        f"{model}.use_remove_padding=true, or ARGS='{perf.attention_key(job)}=sdpa'")
+    if attention == perf.VARLEN_ATTENTION and sel(f"{model}.external_lib") != "app.attention":
+        raise UserError(f"{perf.attention_key(job)}={attention} is registered by app.attention, which verl "
+                        f"imports only if told: ARGS='{model}.external_lib=app.attention'")
+    if attention == "flex_attention":
         # same seed, data and first loss, 300 SFT steps of a 2-layer model on 1xH200: val/loss 0.209 against
         # sdpa's 0.111 and eager's 0.110, although one step's gradients match (docs/gpu-runs.md runs 15-17)
         warnings.append(f"attention is FlexAttention (no flash-attn here): in one comparison it trained a small "
@@ -240,6 +247,11 @@ def check_config(spec: Spec, notes: list[str], warnings: list[str]) -> None:
                             "choose a divisor of the head count")
         if spec.total_gpus % sp:
             raise UserError(f"sequence parallel size {sp} does not divide the {spec.total_gpus} GPUs: choose a divisor")
+        if attention not in ("flash_attention_2", "flash_attention_3"):
+            # verl 0.9.1's Ulysses patch replaces flash-attn's attention only: any other attends within its own slice
+            raise UserError(f"sequence parallel size {sp} needs flash-attn's attention ({perf.attention_key(job)}="
+                            f"{attention}): run it in the image, which has flash-attn, or set the sequence parallel "
+                            "size to 1")
     if job == "sft":
         batch = sel("data.train_batch_size")
         if batch % spec.total_gpus:

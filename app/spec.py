@@ -325,7 +325,7 @@ def setting_overrides(job: str, settings: Settings, gpus: node.Gpus) -> list[str
 
 def read(job: str, settings: Settings) -> Spec:
     """The spec of `job` on this node, composed. Where ARGS or CONFIG pick an attention with a dense mask (sdpa,
-    eager), the token budget is chosen again to hold it."""
+    eager), the token budget is chosen again to hold it; where they turn remove-padding off, the attention too."""
     from app import perf
 
     if job not in BASE_CONFIG:
@@ -336,9 +336,14 @@ def read(job: str, settings: Settings) -> Spec:
     spec.choices, spec.notes = perf.overrides(spec)
     spec.compose()
     impl = spec.get(perf.attention_key(job))
+    again = {}
     if impl in perf.DENSE_MASK_IMPLS:  # never this node's own choice: it came from ARGS or CONFIG
-        choices, notes = perf.overrides(spec, chosen_attention=impl)
-        if choices != spec.choices:  # the budget changed (it stays where the GPU or the model is unknown)
+        again["chosen_attention"] = impl
+    if impl == perf.VARLEN_ATTENTION and not spec.get(f"{MODEL_KEY[job]}.use_remove_padding"):
+        again["packed"] = False  # padded batches from ARGS or CONFIG: the packed-row kernel cannot take them
+    if again:
+        choices, notes = perf.overrides(spec, **again)
+        if choices != spec.choices:  # the budget or attention changed (a budget stays where the GPU or model is unknown)
             spec.choices, spec.notes = choices, notes
             spec.compose()
     return spec

@@ -92,6 +92,9 @@ for name in "${configs[@]}"; do
                # step 1: transformers masks packed samples apart from their position_ids, with a dense mask (the
                # token budget shrinks to hold it)
                sdpa) extra+=" ++actor_rollout_ref.model.override_config.attn_implementation=sdpa" ;;
+               # FlexAttention for the trainer, as the profile chose where flash-attn is missing before torch's own
+               # varlen kernel (app/attention.py): its compile in step 1 is the difference
+               flex) extra+=" ++actor_rollout_ref.model.override_config.attn_implementation=flex_attention" ;;
                *) echo "unknown config $name ($mod)" >&2; exit 2 ;;
              esac; done
              cmd=(env "${run_env[@]}" make grpo-head RUNTIME=local PYTHON="$PYTHON" MODEL_PATH="$model" DATA_DIR="$BENCH_DIR/data"

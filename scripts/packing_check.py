@@ -9,7 +9,7 @@ each sample's loss with the same sample run alone; a leak across sample boundari
 difference in every sample but the first.
 
     python scripts/packing_check.py [--device cuda] [--impl sdpa eager] [--preset tiny]
-    python scripts/packing_check.py --grads --impl eager sdpa flex_attention --device cuda --dtype bfloat16
+    python scripts/packing_check.py --grads --impl eager sdpa varlen_attention flex_attention --device cuda --dtype bfloat16
 
 Prints one line per implementation and exits 1 if any implementation leaks. --grads compares the gradients of
 one training step on the packed row instead (the backward pass verl's update takes), each implementation's
@@ -114,6 +114,7 @@ def check_grads(args, dtype) -> int:
 def main() -> int:
     import torch
 
+    import app.attention  # noqa: F401  (registers varlen_attention with transformers)
     from app.tiny import build_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

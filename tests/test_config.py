@@ -181,21 +181,34 @@ def test_args_are_appended_last_and_win(launch_env, monkeypatch):
     assert plan.spec.overrides[-2:] == plan.spec.args and not set(plan.spec.args) & set(plan.spec.stack)
 
 
-def test_without_flash_attn_the_trainer_is_switched_to_flex_attention_and_preflight_says_so(launch_env):
+def test_without_flash_attn_the_trainer_gets_torchs_varlen_kernel_else_flex_attention_and_preflight_says_so(
+        launch_env, monkeypatch):
     import importlib.util
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here: the profile's flash_attention_2 stands")
+    assert perf.torch_varlen_installed()  # torch >= 2.10 here
     for job in ("sft", "grpo"):
         plan = plan_of(job)
         model = plan.spec.cfg.model if job == "sft" else plan.spec.cfg.actor_rollout_ref.model
-        assert model.override_config.attn_implementation == "flex_attention"
-        assert any(n.startswith("attention: flex_attention (flash-attn is not installed") for n in plan.notes)
+        assert model.override_config.attn_implementation == "varlen_attention"
+        assert model.external_lib == "app.attention"  # what verl imports in its workers to know the name
+        assert any(n.startswith("attention: varlen_attention (flash-attn is not installed") for n in plan.notes)
+        assert not [w for w in plan.warnings if "FlexAttention" in w]
         # no GPU here: the profile's safe budget and checkpointing stand, and preflight says why
         assert any("token budget: the profile's" in n for n in plan.notes)
         assert model.enable_gradient_checkpointing is True
-        # and it warns of the open comparison against sdpa, with the ARGS that choose sdpa
-        key = "model" if job == "sft" else "actor_rollout_ref.model"
+    # remove-padding turned off: padded batches, which the packed-row kernel cannot take
+    monkeypatch.setenv("ARGS", "model.use_remove_padding=false")
+    assert plan_of("sft").spec.cfg.model.override_config.attn_implementation == "flex_attention"
+    monkeypatch.delenv("ARGS")
+    # a torch without the kernel: FlexAttention, with the warning of the open comparison against sdpa
+    monkeypatch.setattr(perf, "torch_varlen_installed", lambda: False)
+    for job, key in (("sft", "model"), ("grpo", "actor_rollout_ref.model")):
+        plan = plan_of(job)
+        model = plan.spec.cfg.model if job == "sft" else plan.spec.cfg.actor_rollout_ref.model
+        assert model.override_config.attn_implementation == "flex_attention" and model.external_lib is None
+        assert any(n.startswith("attention: flex_attention (flash-attn is not installed") for n in plan.notes)
         assert [w for w in plan.warnings if "FlexAttention" in w and "runs 15-17" in w
                 and f"ARGS='{key}.override_config.attn_implementation=sdpa'" in w]
 
@@ -321,6 +334,14 @@ def test_rejects_sequence_parallel_without_remove_padding(launch_env, monkeypatc
 def test_rejects_sequence_parallel_not_dividing_attention_heads(launch_env, monkeypatch):
     rejects("grpo", monkeypatch, "does not divide the model's 4 attention heads", GPUS_PER_NODE="3",
             ARGS="actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 data.train_batch_size=255")
+
+
+@pytest.mark.skipif(perf.flash_attn_installed(), reason="about a node without flash-attn")
+@pytest.mark.parametrize("job, args", [("sft", "engine.ulysses_sequence_parallel_size=2"),
+                                       ("grpo", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")])
+def test_rejects_sequence_parallel_where_verls_ulysses_patch_does_not_reach_the_attention(launch_env, monkeypatch,
+                                                                                         job, args):
+    rejects(job, monkeypatch, "needs flash-attn's attention", ARGS=args, GPUS_PER_NODE="2")
 
 
 def test_save_freq_that_saves_nothing_is_verls_own_default_and_said(launch_env, monkeypatch):

@@ -109,6 +109,15 @@ def test_config_file_replaces_this_nodes_choices_and_preflight_says_what_runs(en
     assert "FlexAttention" not in result.stderr
 
 
+@pytest.mark.parametrize("job, model", [("sft", "model"), ("grpo", "actor_rollout_ref.model")])
+def test_varlen_attention_without_packed_rows_or_without_its_module_is_refused_before_verl_starts(env, job, model):
+    key = f"{model}.override_config.attn_implementation"
+    for args, says in ((f"{key}=varlen_attention {model}.use_remove_padding=false", "use_remove_padding=true"),
+                       (f"{key}=varlen_attention {model}.external_lib=null", f"{model}.external_lib=app.attention")):
+        line = assert_one_line_error(run_app("check", job, env={**env, "ARGS": args}))
+        assert "varlen_attention" in line and says in line
+
+
 def test_verls_own_sft_entry_point_composes_the_config_file_layer_as_preflight_did(env, tmp_path):
     """The plan's exact arguments, given to verl.trainer.sft_trainer (`--cfg job`), yield the file's values."""
     mine = write_yaml(tmp_path / "my.yaml", {"optim": {"lr": 2e-5}, "model": {"override_config": {"rope_theta": 5e5}},

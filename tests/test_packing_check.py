@@ -26,10 +26,11 @@ def test_packed_rows_keep_samples_apart_and_the_leaking_control_shows_it():
         assert control > 1e-2  # the leaking call changes the losses: the check can fail
 
 
-def test_one_training_step_on_a_packed_row_has_the_same_gradients_with_sdpa_as_with_eager():
-    result = packing_check("--grads", "--impl", "eager", "sdpa")
+def test_one_training_step_on_a_packed_row_has_the_same_gradients_with_sdpa_and_varlen_as_with_eager():
+    result = packing_check("--grads", "--impl", "eager", "sdpa", "varlen_attention")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     control = float(re.search(r"leaking across samples: worst grad diff ([0-9.e+-]+)", result.stdout).group(1))
     assert control > 0.1  # a leak moves the gradients by far more than the tolerance
-    line = next(line for line in result.stdout.splitlines() if line.startswith("sdpa"))
-    assert "SAME GRADIENTS" in line and float(re.search(r"worst grad diff ([0-9.e+-]+)", line).group(1)) <= 1e-3
+    for impl in ("sdpa", "varlen_attention"):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(impl))
+        assert "SAME GRADIENTS" in line and float(re.search(r"worst grad diff ([0-9.e+-]+)", line).group(1)) <= 1e-3
