@@ -153,9 +153,13 @@ def _verl_merger(shards: ShardSet, target: Path):
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
     target.mkdir(parents=True, exist_ok=True)
-    return FSDPModelMerger(ModelMergerConfig(
+    merger = FSDPModelMerger(ModelMergerConfig(
         operation="merge", backend="fsdp", local_dir=str(shards.directory), target_dir=str(target),
         hf_model_config_path=str(shards.directory / "huggingface")))
+    # verl saves the trainer's attn_implementation in the checkpoint's config.json; a merged model is for any loader
+    # (the varlen_attention of nodes without flash-attn exists only where app.attention is imported)
+    merger.model_config._attn_implementation = None
+    return merger
 
 
 def merge_with_verl(shards: ShardSet, target: Path) -> None:

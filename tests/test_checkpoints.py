@@ -120,6 +120,29 @@ def test_stream_engine_writes_exactly_what_verl_merger_writes(runs, tmp_path):
         assert json.loads((stream / name).read_text()) == json.loads((verl / name).read_text()), name
 
 
+@pytest.mark.parametrize("engine", ["stream", "verl"])
+def test_a_checkpoint_trained_with_varlen_attention_merges_into_a_model_any_transformers_loads(runs, tmp_path, engine):
+    """verl writes the trainer's override_config into the checkpoint's config.json (update_model_config's setattr),
+    so it names varlen_attention, which transformers knows only where app.attention is imported. The merge (a
+    process that never imports it) must load it and leave no attention pinned in the merged model."""
+    from transformers import AutoConfig
+
+    from verl.utils.model import update_model_config
+
+    run = copy_run(runs[1], tmp_path / "run")
+    hf_dir = next(run.rglob("huggingface"))
+    config = AutoConfig.from_pretrained(hf_dir)
+    update_model_config(config, {"attn_implementation": "varlen_attention"})
+    config.save_pretrained(hf_dir)
+    assert json.loads((hf_dir / "config.json").read_text())["attn_implementation"] == "varlen_attention"
+    out = tmp_path / "merged"
+    result = run_app("merge", "--engine", engine, env={"CKPT_DIR": str(run), "OUT_DIR": str(out)})
+    assert result.returncode == 0, result.stderr
+    assert "attn_implementation" not in json.loads((out / "config.json").read_text())
+    if engine == "stream":
+        assert "loads with transformers, forward on" in result.stdout
+
+
 @pytest.mark.parametrize("damage, expected", [
     ("empty", "is empty"),
     ("truncate", "is corrupt"),
