@@ -67,6 +67,7 @@ for label in "${configs[@]}"; do
     profile-fsdp2) extra=(engine.strategy=fsdp2) ;;          # + FSDP2 (per-parameter sharding) instead of FSDP1
     profile-nocompile) extra=(engine.use_torch_compile=False) ;;  # verl's torch.compile of its entropy function off
     profile-dl4) extra=(data.num_workers=4) ;;               # 4 DataLoader workers instead of the profile's 2
+    profile-flex) extra=("${flex[@]}") ;;                   # FlexAttention instead of the profile's varlen kernel (no flash-attn)
     # + PyTorch's expandable allocator segments, in case a fragmented cache near the card's limit (the profile
     # reserved 135 of 140 GiB in round 2) frees and retries its cudaMallocs: run 22, no faster beyond the spread
     profile-expandable) run_env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
