@@ -51,8 +51,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
 
 
 def _kernel_and_causal():
-    """The kernel and its causal switch: torch 2.10-2.11 take is_causal, later ones window_size=(-1, 0); GQA
-    keys and values are shared by the kernel itself where it says so (enable_gqa), else expanded here."""
+    """The kernel and its causal switch, by what its signature names: is_causal (its first release), else
+    window_size=(-1, 0) (torch 2.11 on the GPU, 2.13 here); grouped keys and values are shared by the kernel
+    itself where it takes enable_gqa (2.13), else expanded here (2.11)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters

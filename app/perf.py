@@ -172,8 +172,8 @@ class Note:
 def overrides(spec, chosen_attention: str | None = None, packed: bool = True) -> tuple[list[str], list[Note]]:
     """The fast settings for this node (app.perf) as overrides, and notes saying which were chosen.
 
-    Attention: flash-attn's kernel where installed, else FlexAttention (both keep packed samples apart
-    under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
+    Attention: flash-attn's kernel where installed, else torch's varlen kernel or FlexAttention (all keep packed
+    samples apart under remove-padding; sdpa would too, but gets a dense total x total mask). Where the GPU's memory and
     the model's shape are known, gradient checkpointing and the token budget per GPU follow from them.
     `spec` is app.spec's, before it composes: the model and the node's size are the settings' (which the config
     then gets). The user's ARGS and CONFIG come later and win (`notes_for` then says what runs instead);
