@@ -17,7 +17,8 @@ from app.perf import VARLEN_ATTENTION as NAME
 
 def _segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative sample lengths (int32) and the longest sample of a packed row: a sample starts where its
-    position is 0, as in transformers' own flash-attention path (prepare_fa_kwargs_from_position_ids)."""
+    position is 0, as in transformers' prepare_fa_kwargs_from_position_ids, which is not called because its
+    lengths would start at the first 0, leaving a row's leading part of a sample out of the kernel's reach."""
     positions = position_ids.reshape(-1)
     starts = (positions == 0).nonzero().view(-1)
     if starts.numel() == 0 or starts[0] != 0:
