@@ -6,12 +6,14 @@ training):
     prep -> tiny-model -> sft -> merge -> eval (A0) -> grpo-head from the SFT model -> merge -> eval (A1) -> report
 
 Every stage is the CLI command a user runs (`python -m app sft`, `... grpo-head`, `... merge`, `... eval`),
-started as a subprocess with the demo's own settings, as `make smoke` does. The eval of the SFT model runs
-beside GRPO's start-up (its output in DEMO_DIR/eval-sft.log). It passes only if GRPO's
-reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy_margin`).
+started as a subprocess with the demo's own settings, as `make smoke` does. Both trainings also save the whole
+model at their last step (verl's `hf_model` checkpoint content), so GRPO and the evals start from those at once
+and the merges, the eval of the SFT model and the report run beside the next stage (their output in
+DEMO_DIR/<stage>.log). It passes only if GRPO's reward mean rises over the run and A1 beats A0 by more than noise
+(see `accuracy_margin`).
 
-Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/, grpo/
-(run, with report/ plots), grpo-model/, eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
+Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/ (merged), grpo/
+(run, with report/ plots), grpo-model/ (merged), eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
 A rerun resumes: a stage that finished with the same settings (DEMO_DIR/stages/<stage>.json) is skipped, and a
 GRPO stage that was cut short continues from its last checkpoint (one every 10 steps), or, where that is its
 last step, is not started again.
@@ -48,6 +50,9 @@ SFT_ARGS = [
     "data.train_batch_size=64", "data.micro_batch_size_per_gpu=64", "data.max_length=128", "data.num_workers=2",
     "optim.lr=1e-3", "optim.lr_warmup_steps_ratio=0.0", "optim.lr_scheduler_type=constant",
     "trainer.logger=[console,file]", "trainer.test_freq=-1",
+    # the whole model beside the shards (a second on this model): GRPO and the eval start from it while the merge
+    # runs beside them, instead of after it
+    "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
 ]
 
 # GRPO from the SFT model, on 1xH200 (docs/gpu-runs.md): 64 prompts x 8 samples a step (rollout time follows
@@ -68,6 +73,7 @@ GRPO_ARGS = [
     "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
     "+trainer.v1.sampler.sampler_kwargs.poll_interval=0.1",
     f"+trainer.v1.sampler.sampler_kwargs.train_batch_size={GRPO_BATCH}",
+    "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",  # as SFT_ARGS: eval at once
 ]
 
 # A checkpoint every 10 steps (and at the last), so that a cut-short GRPO stage resumes instead of restarting.
@@ -76,10 +82,11 @@ GRPO_SAVE_EVERY = 10
 # 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others take minutes.
 RESUMABLE = ("grpo",)
 
-# A0's eval needs only the SFT model, as GRPO does, so it runs beside GRPO's start-up: its ~20 s on the GPU
-# are over long before GRPO's vLLM profiles and takes its memory, about 2 minutes into that stage
-# (docs/gpu-runs.md run 18). Not where the GPU's compute mode is exclusive (gpu_shared).
-BESIDE_NEXT = ("eval-sft",)
+# Stages that run beside the next stage not listed here, because nothing after them needs their output before
+# the verdict. A0's eval: its ~20 s on the GPU are over long before GRPO's vLLM profiles and takes its memory,
+# about 2 minutes into that stage (docs/gpu-runs.md run 18). The merges: 12-20 s each, mostly imports (runs 21,
+# 51). Not where the GPU's compute mode is exclusive (gpu_shared).
+BESIDE = ("merge-sft", "eval-sft", "merge-grpo", "report")
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
 # same items (a LIMIT left in a shell once cut A1 to 585 rows against A0's 1,000: docs/gpu-runs.md run 11)
@@ -99,6 +106,9 @@ def plan(settings: Settings) -> tuple[Path, list[Stage]]:
     grpo_args = GRPO_ARGS + [f"trainer.total_training_steps={grpo_steps}",
                              f"trainer.save_freq={min(GRPO_SAVE_EVERY, grpo_steps)}"]
     test = str(data / "arith" / "test.parquet")
+    # where verl saves the whole model at the last step (hf_model): what GRPO and the evals start from
+    sft_model = str(root / "sft" / f"global_step_{sft_steps}" / "huggingface")
+    grpo_model = str(root / "grpo" / f"global_step_{grpo_steps}" / "actor" / "huggingface")
     return root, [
         Stage("prep", app + ["prep", "arith"], {"DATA_DIR": str(data)}, "the arith task -> verl parquet"),
         Stage("tiny-model", app + ["tiny-model", str(model), "--force"], {}, "random tiny Qwen2 + tokenizer"),
@@ -108,17 +118,17 @@ def plan(settings: Settings) -> tuple[Path, list[Stage]]:
                                      "ARGS": " ".join(sft_args)}, f"{sft_steps} SFT steps"),
         Stage("merge-sft", app + ["merge"], {"CKPT_DIR": str(root / "sft"), "STEP": str(sft_steps),
                                             "OUT_DIR": str(root / "sft-model"), "FORCE": "1"}, "SFT -> HF model"),
-        Stage("eval-sft", app + ["eval", "--data", test], {**EVAL_ENV, "MODEL": str(root / "sft-model"),
+        Stage("eval-sft", app + ["eval", "--data", test], {**EVAL_ENV, "MODEL": sft_model,
                                                            "OUT": str(root / "eval-sft")}, "accuracy A0"),
-        Stage("grpo", app + ["grpo-head"], {**one_gpu, "MODEL_PATH": str(root / "sft-model"),
+        Stage("grpo", app + ["grpo-head"], {**one_gpu, "MODEL_PATH": sft_model,
                                             "CKPT_DIR": str(root / "grpo"), "WAIT_TIMEOUT": "120",
                                             "TRAIN_FILE": str(data / "arith" / "train.parquet"), "VAL_FILE": test,
                                             "ARGS": " ".join(grpo_args)}, f"{grpo_steps} GRPO steps"),
         Stage("merge-grpo", app + ["merge"], {"CKPT_DIR": str(root / "grpo"), "STEP": str(grpo_steps),
                                              "OUT_DIR": str(root / "grpo-model"), "FORCE": "1"}, "GRPO -> HF model"),
-        Stage("eval-grpo", app + ["eval", "--data", test], {**EVAL_ENV, "MODEL": str(root / "grpo-model"),
-                                                            "OUT": str(root / "eval-grpo")}, "accuracy A1"),
         Stage("report", app + ["report", str(root / "grpo")], {}, "plots of the GRPO run"),
+        Stage("eval-grpo", app + ["eval", "--data", test], {**EVAL_ENV, "MODEL": grpo_model,
+                                                            "OUT": str(root / "eval-grpo")}, "accuracy A1"),
     ]
 
 
@@ -233,10 +243,13 @@ def gpu_shared() -> tuple[bool, str]:
 
 
 def _beside_next(stages: list[Stage], i: int, settings: Settings) -> Stage | None:
-    """The stage that stages[i - 1] runs beside, where it is one of BESIDE_NEXT and this run goes on to it."""
-    stage = stages[i - 1]
-    if stage.name in BESIDE_NEXT and i < len(stages) and settings["DEMO_UNTIL"] != stage.name:
-        return stages[i]
+    """The stage that stages[i - 1] runs beside: the next one not in BESIDE, where stages[i - 1] is in BESIDE
+    and this run goes on to it (DEMO_UNTIL does not stop it before)."""
+    for stage in stages[i - 1:]:
+        if stage.name not in BESIDE:
+            return stage if stage is not stages[i - 1] else None
+        if settings["DEMO_UNTIL"] == stage.name:
+            return None
     return None
 
 
@@ -308,12 +321,25 @@ def _print_plan(root: Path, stages: list[Stage], settings: Settings) -> None:
         f">= {MIN_TEST_ITEMS} test items")
 
 
+def _wait_beside(pending: list[Beside], done: Path, after: str) -> None:
+    """Wait for every stage that ran beside `after`; one line naming each that failed."""
+    failures = []
+    for beside in pending:
+        try:
+            took = beside.wait(done)
+            say(f"=== {beside.stage.name} (beside {after}) took {took:.0f}s: {beside.last_line()}")
+        except UserError as failed:
+            failures.append(str(failed))
+    if failures:
+        raise UserError("; and ".join(failures))
+
+
 def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: float) -> list[str] | None:
     """Run every stage not done yet with the same settings; returns those an earlier demo did, or None where
     DEMO_UNTIL stopped this run."""
     done = root / "stages"
     skipped: list[str] = []
-    beside: Beside | None = None
+    pending: list[Beside] = []  # started beside the next stage not in BESIDE
     try:
         for i, stage in enumerate(stages, 1):
             say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
@@ -323,31 +349,34 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
                 say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
             elif (after is not None and not _finished(done / f"{after.name}.json", _record(after))
                   and _beside_allowed(stage, after)):
-                beside = Beside(stage, settings, root / f"{stage.name}.log")
-                say(f"=== {stage.name}: runs beside {after.name}; its output goes to {beside.log}")
+                pending.append(Beside(stage, settings, root / f"{stage.name}.log"))
+                say(f"=== {stage.name}: runs beside {after.name}; its output goes to {pending[-1].log}")
                 continue
             else:
                 _run(stage, done, settings)
-            if beside is not None:  # the stage it ran beside is over
-                took = beside.wait(done)
-                say(f"=== {beside.stage.name} (beside {stage.name}) took {took:.0f}s: {beside.last_line()}")
-                beside = None
+            if pending and stage.name not in BESIDE:  # the stage they ran beside is over
+                running, pending = pending, []
+                try:
+                    _wait_beside(running, done, stage.name)
+                finally:
+                    pending = [b for b in running if not b.waited]
             if stage.name == settings["DEMO_UNTIL"]:
                 so_far = sum(json.loads((done / f"{s.name}.json").read_text())["seconds"] for s in stages[:i])
                 say(f"=== demo stopped after {stage.name} (DEMO_UNTIL={stage.name}): `make demo` without DEMO_UNTIL "
                     f"goes on from here ({time.monotonic() - began:.0f}s in this run, {so_far:.0f}s of stages so far)")
                 return None
     except UserError as failed:
-        if beside is not None and not beside.waited:
-            # the stage it ran beside failed: keep its own result if it ends well, so that a rerun skips it
-            say(f"=== waiting for {beside.stage.name} (its output in {beside.log}) before stopping")
+        if [b for b in pending if not b.waited]:
+            # the stage they ran beside failed: keep their own results if they end well, so that a rerun skips them
+            names = ", ".join(f"{b.stage.name} (its output in {b.log})" for b in pending)
+            say(f"=== waiting for {names} before stopping")
             try:
-                beside.wait(done)
+                _wait_beside([b for b in pending if not b.waited], done, stage.name)
             except UserError as also:
                 raise UserError(f"{failed}; and {also}") from None
         raise
     finally:  # any other way out (Ctrl-C, SIGTERM as app.common.Terminated, a crash): no orphan left running
-        if beside is not None:
+        for beside in pending:
             beside.stop()
     return skipped
 

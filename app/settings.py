@@ -244,7 +244,7 @@ REGISTRY: tuple[Var, ...] = (
         minimum=4),
     Var("DEMO_UNTIL", "choice", None, "stop `make demo` after this stage (a rerun goes on from there)",
         "`make demo` 在此阶段后停下（再次运行从那里继续）", ("demo",), G_ONCE, example="eval-sft",
-        choices=("prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo", "merge-grpo", "eval-grpo")),
+        choices=("prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo", "merge-grpo", "report")),
     # --- tracking ----------------------------------------------------------------------------------
     Var("SWANLAB_MODE", "choice", "local", "swanlab: local (no account), offline, cloud (with SWANLAB_API_KEY), "
         "disabled", "swanlab：local（无需账号）、offline、cloud（需 SWANLAB_API_KEY）、disabled",

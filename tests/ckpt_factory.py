@@ -3,7 +3,8 @@
 W real processes (torch.multiprocessing spawn) join one gloo group, shard a Qwen2 with FSDP2
 `fully_shard` over a device mesh named "fsdp" (verl's `create_device_mesh`), and save through verl's
 own `FSDPCheckpointManager`: `model_world_size_W_rank_R.pt` (DTensor state dicts), optimizer and extra
-state per rank, and on rank 0 `fsdp_config.json` + `huggingface/` (config, tokenizer, no weights).
+state per rank, and on rank 0 `fsdp_config.json` + `huggingface/` (config, tokenizer; the full weights too
+with --hf-model, verl's `hf_model` content).
 The trainer's `latest_checkpointed_iteration.txt` goes into the run directory.
 
     python tests/ckpt_factory.py --model MODEL_DIR --out RUN_DIR --world-size 2 --step 5 [--layout grpo]
@@ -84,7 +85,7 @@ def _worker(rank: int, args) -> None:
             for param in model.parameters():
                 param.to_local().normal_(0.0, 0.02, generator=generator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if args.optimizer else None
-    contents = ["model", "optimizer", "extra"] if args.optimizer else ["model"]
+    contents = (["model", "optimizer", "extra"] if args.optimizer else ["model"]) + (["hf_model"] if args.hf_model else [])
     manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=None,
                                     processing_class=tokenizer,
                                     checkpoint_config=OmegaConf.create({"save_contents": contents,
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, default=1)
     parser.add_argument("--layout", choices=["sft", "grpo"], default="sft")
     parser.add_argument("--lora", action="store_true", help="wrap in a PEFT LoRA (r=4, q_proj/v_proj)")
+    parser.add_argument("--hf-model", action="store_true", help="also save the full model in huggingface/")
     parser.add_argument("--no-optimizer", dest="optimizer", action="store_false",
                         help="save the model only (benchmarks: less disk)")
     args = parser.parse_args(argv)

@@ -20,11 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))  # loopback_sshd
 from conftest import REPO, assert_one_line_error, modes, pages_for, run_app, weight_bytes
 
 
-def make_run(out: Path, model: Path, world_size: int, step: int, layout: str = "sft", lora: bool = False) -> Path:
+def make_run(out: Path, model: Path, world_size: int, step: int, layout: str = "sft", lora: bool = False,
+             hf_model: bool = False) -> Path:
     """A run directory with one saved step, written by `world_size` real processes."""
     cmd = [sys.executable, str(REPO / "tests" / "ckpt_factory.py"), "--model", str(model), "--out", str(out),
            "--world-size", str(world_size), "--step", str(step), "--layout", layout]
-    result = subprocess.run(cmd + (["--lora"] if lora else []), capture_output=True, text=True, timeout=600)
+    cmd += (["--lora"] if lora else []) + (["--hf-model"] if hf_model else [])
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

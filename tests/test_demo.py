@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_checkpoints import make_run  # real FSDP checkpoints through verl's checkpoint manager
+from test_checkpoints import load_tensors, make_run  # real FSDP checkpoints through verl's checkpoint manager
 from conftest import REPO, assert_one_line_error, run_app
 
 from app.common import UserError
@@ -63,7 +63,11 @@ def test_demo_dry_run_lists_every_stage_in_order(tmp_path):
              "eval --data", "report"]
     positions = [out.index(word) for word in order[:3]]
     assert positions == sorted(positions)
-    for expected in order + [f"MODEL_PATH={root / 'sft-model'}", "trainer.total_training_steps=30",
+    for expected in order + [f"MODEL_PATH={root / 'sft' / 'global_step_30' / 'huggingface'}",
+                             f"MODEL={root / 'grpo' / 'global_step_8' / 'actor' / 'huggingface'}",
+                             "merge-sft: SFT -> HF model (beside grpo", "eval-sft: accuracy A0 (beside grpo",
+                             "merge-grpo: GRPO -> HF model (beside eval-grpo", "report: plots of the GRPO run (beside eval-grpo",
+                             "trainer.total_training_steps=30",
                              "trainer.total_training_steps=8", "actor_rollout_ref.rollout.n=8"]:
         assert expected in out, expected
     assert out.index("app sft") < out.index("app grpo-head")
@@ -78,7 +82,8 @@ def test_demo_refuses_too_few_steps(tmp_path):
 
 def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir, monkeypatch):
     """The demo's own stages (same argv and settings), with the two training stages replaced by real FSDP
-    checkpoints of the tiny model written on CPU in the SFT and GRPO layouts."""
+    checkpoints of the tiny model written on CPU in the SFT and GRPO layouts, the whole model included as
+    verl's `hf_model` content writes it: the evals read those, the merges write sft-model/ and grpo-model/."""
     from app import demo
     from app.settings import load
     from app.smoke import run_stage
@@ -92,10 +97,11 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
     by_name = {s.name: s for s in stages}
     run_stage(by_name["prep"], settings)
     run_stage(by_name["tiny-model"], settings)
-    make_run(root / "sft", root / "model", world_size=2, step=4, layout="sft")
+    make_run(root / "sft", root / "model", world_size=2, step=4, layout="sft", hf_model=True)
     run_stage(by_name["merge-sft"], settings)
     run_stage(by_name["eval-sft"], settings)
-    make_run(root / "grpo", root / "sft-model", world_size=1, step=4, layout="grpo")
+    make_run(root / "grpo", root / "sft" / "global_step_4" / "huggingface", world_size=1, step=4, layout="grpo",
+             hf_model=True)
     run_stage(by_name["merge-grpo"], settings)
     run_stage(by_name["eval-grpo"], settings)
     for name in ("eval-sft", "eval-grpo"):
@@ -105,7 +111,10 @@ def test_demo_chain_on_cpu_every_stage_but_gpu_training(tmp_path, tiny_model_dir
     assert demo.scored_items(demo.read_summary(root / "eval-sft"), demo.read_summary(root / "eval-grpo")) == 1000
     # the stage order of the plan is the pipeline of the issue
     assert [s.name for s in stages] == ["prep", "tiny-model", "sft", "merge-sft", "eval-sft", "grpo",
-                                        "merge-grpo", "eval-grpo", "report"]
+                                        "merge-grpo", "report", "eval-grpo"]
+    # the merged models are the ones the evals scored
+    merged, saved = load_tensors(root / "grpo-model"), load_tensors(root / "grpo" / "global_step_4" / "actor" / "huggingface")
+    assert set(merged) == set(saved) and all(saved[k].to(merged[k].dtype).equal(merged[k]) for k in saved)
 
 
 def test_demo_training_stages_pass_preflight_with_eager_for_the_tiny_model(tmp_path, monkeypatch):
@@ -219,7 +228,7 @@ def test_demo_until_names_exactly_the_stages_of_the_plan():
 
     _, stages = demo.plan(load())
     until = next(var for var in REGISTRY if var.name == "DEMO_UNTIL")
-    # every stage but the last (stopping after the report is the whole demo)
+    # every stage but the last (stopping after the eval of the GRPO model is the whole demo)
     assert list(until.choices) == [s.name for s in stages][:-1]
 
 
@@ -380,6 +389,39 @@ def test_eval_sft_runs_beside_grpo_and_is_marked_done_after_it(tmp_path, monkeyp
     assert capsys.readouterr().out.count("done in an earlier run with the same settings, skipped") == 2
 
 
+def test_the_merge_and_the_eval_both_run_beside_grpo_and_a_failing_one_is_named(tmp_path, monkeypatch, capsys):
+    """merge-sft and eval-sft start one after the other without waiting, and GRPO's stand-in goes on only once
+    both have written their flag: all three ran at once. A second run whose merge fails names it in one line."""
+    from app import demo
+    from app.settings import load
+    from app.smoke import Stage
+
+    grpo_up, merged, evaluated = tmp_path / "grpo-up", tmp_path / "merged", tmp_path / "evaluated"
+    touch = "pathlib.Path({!r}).touch()".format
+    stages = [Stage("merge-sft", [sys.executable, "-c", _waits_for(grpo_up, touch(str(merged)))], {}, "merge"),
+              Stage("eval-sft", [sys.executable, "-c", _waits_for(grpo_up, touch(str(evaluated)))], {}, "A0"),
+              Stage("grpo", [sys.executable, "-c", f"import pathlib\n{touch(str(grpo_up))}\n"
+                             + _waits_for(merged, _waits_for(evaluated))], {}, "GRPO steps")]
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("DEMO_UNTIL", "grpo")
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)
+    monkeypatch.setattr(demo, "gpu_shared", lambda: (True, ""))
+    monkeypatch.setattr(demo, "plan", lambda settings: (tmp_path, stages))
+    assert demo.main("demo", [], load()) == 0
+    out = capsys.readouterr().out
+    assert "merge-sft: runs beside grpo" in out and "eval-sft: runs beside grpo" in out
+    assert out.index("=== grpo took") < out.index("merge-sft (beside grpo) took") < out.index("eval-sft (beside grpo) took")
+    assert all((tmp_path / "stages" / f"{name}.json").is_file() for name in ("merge-sft", "eval-sft", "grpo"))
+
+    stages[0] = Stage("merge-sft", [sys.executable, "-c", "import sys\nprint('no shards')\nsys.exit(2)"], {"X": "1"}, "merge")
+    stages[2] = Stage("grpo", [sys.executable, "-c", "pass"], {"X": "1"}, "GRPO steps")
+    with pytest.raises(UserError) as failed:
+        demo.main("demo", [], load())
+    line = str(failed.value)
+    assert "stage 'merge-sft' failed (exit 2)" in line and "\n" not in line and "eval-sft" not in line
+    assert (tmp_path / "stages" / "grpo.json").is_file()
+
+
 def test_a_failing_eval_beside_grpo_fails_the_demo_in_one_line_naming_its_log(tmp_path, monkeypatch):
     from app.settings import load
 
@@ -526,5 +568,5 @@ def test_the_verdict_gives_this_runs_wall_time_and_what_it_went_on_from(tmp_path
     assert "step 1 by verl's timers, s: gen 20.0, update_weights 5.0; outside them 10.0 of the step's 35.0" in out
     verdict = out.rstrip().splitlines()[-1]
     assert verdict.startswith(f"demo passed in {figures['wall_seconds']:.0f}s (this run only: prep, tiny-model,")
-    assert "report done by an earlier run; the cut-short earlier attempts of grpo not counted)" in verdict
+    assert "eval-grpo done by an earlier run; the cut-short earlier attempts of grpo not counted)" in verdict
     assert "A0 = 50.0%, after GRPO A1 = 90.0% on 1000 unseen test items" in verdict
