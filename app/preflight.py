@@ -217,7 +217,8 @@ def check_config(spec: Spec, notes: list[str], warnings: list[str]) -> None:
     if attention == perf.VARLEN_ATTENTION and not sel(f"{model}.use_remove_padding"):
         raise UserError(f"{perf.attention_key(job)}={attention} takes verl's packed rows only: set "
                         f"{model}.use_remove_padding=true, or ARGS='{perf.attention_key(job)}=sdpa'")
-    if attention == perf.VARLEN_ATTENTION and sel(f"{model}.external_lib") != "app.attention":
+    libs = sel(f"{model}.external_lib")  # verl takes one module name or a list of them
+    if attention == perf.VARLEN_ATTENTION and "app.attention" not in ([libs] if isinstance(libs, str) else libs or []):
         raise UserError(f"{perf.attention_key(job)}={attention} is registered by app.attention, which verl "
                         f"imports only if told: ARGS='{model}.external_lib=app.attention'")
     if attention == "flex_attention":

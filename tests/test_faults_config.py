@@ -116,6 +116,9 @@ def test_varlen_attention_without_packed_rows_or_without_its_module_is_refused_b
                        (f"{key}=varlen_attention {model}.external_lib=null", f"{model}.external_lib=app.attention")):
         line = assert_one_line_error(run_app("check", job, env={**env, "ARGS": args}))
         assert "varlen_attention" in line and says in line
+    # verl imports every module of a list: one that names app.attention among others passes
+    result = run_app("check", job, env={**env, "ARGS": f"{key}=varlen_attention {model}.external_lib=[json,app.attention]"})
+    assert result.returncode == 0 and "varlen_attention" in result.stdout, result.stderr[-2000:]
 
 
 def test_verls_own_sft_entry_point_composes_the_config_file_layer_as_preflight_did(env, tmp_path):
