@@ -82,11 +82,11 @@ GRPO_SAVE_EVERY = 10
 # 7-8 s a step on 1xH200, docs/gpu-runs.md run 11); the others take minutes.
 RESUMABLE = ("grpo",)
 
-# Stages that run beside the next stage not listed here, because nothing after them needs their output before
-# the verdict. A0's eval: its ~20 s on the GPU are over long before GRPO's vLLM profiles and takes its memory,
-# about 2 minutes into that stage (docs/gpu-runs.md run 18). The merges: 12-20 s each, mostly imports (runs 21,
-# 51). Not where the GPU's compute mode is exclusive (gpu_shared).
-BESIDE = ("merge-sft", "eval-sft", "merge-grpo", "report")
+# Stages that run beside the next stage not listed here: nothing needs their output before that one ends. prep
+# (2 s) beside tiny-model (18 s of imports on a fresh node, docs/gpu-runs.md run 21). A0's eval: its ~20 s on the
+# GPU are over long before GRPO's vLLM profiles and takes its memory, about 2 minutes into that stage (run 18).
+# The merges: 12-20 s each, mostly imports (runs 21, 51). Not where the GPU's compute mode is exclusive (gpu_shared).
+BESIDE = ("prep", "merge-sft", "eval-sft", "merge-grpo", "report")
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
 # same items (a LIMIT left in a shell once cut A1 to 585 rows against A0's 1,000: docs/gpu-runs.md run 11)

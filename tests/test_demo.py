@@ -59,12 +59,13 @@ def test_demo_dry_run_lists_every_stage_in_order(tmp_path):
                                   "DEMO_GRPO_STEPS": "8"})
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    order = ["prep arith", "tiny-model", "app sft", "STEP=30", "eval --data", "app grpo-head", "STEP=8",
+    order = ["prep arith", "app tiny-model", "app sft", "STEP=30", "eval --data", "app grpo-head", "STEP=8",
              "eval --data", "report"]
     positions = [out.index(word) for word in order[:3]]
     assert positions == sorted(positions)
     for expected in order + [f"MODEL_PATH={root / 'sft' / 'global_step_30' / 'huggingface'}",
                              f"MODEL={root / 'grpo' / 'global_step_8' / 'actor' / 'huggingface'}",
+                             "prep: the arith task -> verl parquet (beside tiny-model",
                              "merge-sft: SFT -> HF model (beside grpo", "eval-sft: accuracy A0 (beside grpo",
                              "merge-grpo: GRPO -> HF model (beside eval-grpo", "report: plots of the GRPO run (beside eval-grpo",
                              "trainer.total_training_steps=30",
