@@ -24,6 +24,7 @@ the plan).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -87,6 +88,12 @@ RESUMABLE = ("grpo",)
 # GPU are over long before GRPO's vLLM profiles and takes its memory, about 2 minutes into that stage (run 18).
 # The merges: 12-20 s each, mostly imports (runs 21, 51). Not where the GPU's compute mode is exclusive (gpu_shared).
 BESIDE = ("prep", "merge-sft", "eval-sft", "merge-grpo", "report")
+
+# A1's eval starts with GRPO, held by app.gate once it has imported torch and transformers (11 of the 14 s it took
+# on a fresh node, docs/gpu-runs.md run 54), and goes when GRPO's last checkpoint is saved, while Ray shuts down
+# (8 s). Not where the GPU's compute mode is exclusive (gpu_shared).
+HELD = {"eval-grpo": ("grpo", "DEMO_GRPO_STEPS")}  # stage -> the stage whose last checkpoint it waits for, its steps
+PRELOAD = "torch,transformers.models.auto.modeling_auto,transformers.models.auto.tokenization_auto"
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the
 # same items (a LIMIT left in a shell once cut A1 to 585 rows against A0's 1,000: docs/gpu-runs.md run 11)
@@ -264,13 +271,14 @@ class Beside:
     """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
     with verl's it would be unreadable."""
 
-    def __init__(self, stage: Stage, settings: Settings, log: Path):
+    def __init__(self, stage: Stage, settings: Settings, log: Path, argv: list[str] | None = None):
         self.stage, self.log = stage, log
         self.started = self.ended = time.monotonic()
         self.waited = False  # wait() has reported its outcome (passed or raised)
         with open(log, "w") as out:
-            self.process = subprocess.Popen(stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(argv or stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
+                                            stdin=subprocess.PIPE if argv else subprocess.DEVNULL, stdout=out,
+                                            stderr=subprocess.STDOUT)
         # its own time, not the time until the stage beside it is over and wait() is called
         self.watcher = threading.Thread(target=self._watch, daemon=True)
         self.watcher.start()
@@ -305,6 +313,40 @@ class Beside:
         return lines[-1] if lines else "(no output)"
 
 
+class Held(Beside):
+    """A stage started before the one it follows ends, held by app.gate after its imports, and let go once that
+    stage's last checkpoint is saved (verl writes its tracker after the save). Its time counts from the go."""
+
+    def __init__(self, stage: Stage, settings: Settings, log: Path, run: Path, step: int):
+        python, _, module, *rest = stage.argv  # [python, -m, app, command, ...]
+        super().__init__(stage, settings, log, [python, "-m", "app.gate", "--preload", PRELOAD, module, *rest])
+        self.tracker, self.step, self.went = run / "latest_checkpointed_iteration.txt", step, False
+        self.lock = threading.Lock()
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def saved(self) -> bool:
+        try:
+            return self.tracker.read_text().strip() == str(self.step)
+        except OSError:
+            return False
+
+    def _poll(self) -> None:
+        while not self.went and self.process.poll() is None:
+            if self.saved():
+                self.go()
+            time.sleep(0.2)
+
+    def go(self) -> None:
+        with self.lock:
+            if self.went:
+                return
+            self.went = True
+            self.started = time.monotonic()
+            with contextlib.suppress(OSError):  # it ended already: wait() reports how
+                self.process.stdin.write(b"go\n")
+                self.process.stdin.close()
+
+
 # --- the command ------------------------------------------------------------------------------------
 
 def _print_plan(root: Path, stages: list[Stage], settings: Settings) -> None:
@@ -313,6 +355,9 @@ def _print_plan(root: Path, stages: list[Stage], settings: Settings) -> None:
         shown = " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in stage.env.items())
         after = _beside_next(stages, i, settings)
         beside_note = f" (beside {after.name}, where the GPU allows two processes)" if after else ""
+        if stage.name in HELD:
+            beside_note = (f" (starts with {HELD[stage.name][0]}, held after its imports until that saves its last "
+                           "step, where the GPU allows two processes)")
         say(f"  [{i}/{len(stages)}] {stage.name}: {stage.what}{beside_note}")
         say(f"      {shown + ' ' if shown else ''}python -m app {' '.join(stage.argv[3:])}")
     if settings["DEMO_UNTIL"]:
@@ -334,12 +379,41 @@ def _wait_beside(pending: list[Beside], done: Path, after: str) -> None:
         raise UserError("; and ".join(failures))
 
 
+def _hold(stages: list[Stage], i: int, done: Path, settings: Settings) -> dict[str, Held]:
+    """The HELD stages that wait for stages[i - 1] and this run goes on to, started now where the GPU allows."""
+    names = [s.name for s in stages]
+    last = names.index(settings["DEMO_UNTIL"]) if settings["DEMO_UNTIL"] else len(stages)
+    held = {}
+    for stage in stages[i:last + 1]:
+        follows, steps = HELD.get(stage.name, (None, None))
+        if follows != stages[i - 1].name or _finished(done / f"{stage.name}.json", _record(stage)):
+            continue
+        if _beside_allowed(stage, stages[i - 1]):
+            run = Path(stages[i - 1].env["CKPT_DIR"])
+            held[stage.name] = Held(stage, settings, done.parent / f"{stage.name}.log", run, settings[steps])
+            say(f"=== {stage.name}: starts now, held until {follows} saves step {settings[steps]}; its output goes "
+                f"to {held[stage.name].log}")
+    return held
+
+
+def _let_go(held: dict[str, Held], stage: Stage) -> None:
+    """After `stage` ended well: its last checkpoint is there, so what waits for it goes (at once, if the poll has
+    not seen it yet)."""
+    for name, waiting in held.items():
+        if HELD[name][0] == stage.name and not waiting.saved():
+            raise UserError(f"{stage.name} ended without saving its step {waiting.step} ({waiting.tracker}): "
+                            f"read its output above and rerun `make demo`")
+        if HELD[name][0] == stage.name:
+            waiting.go()
+
+
 def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: float) -> list[str] | None:
     """Run every stage not done yet with the same settings; returns those an earlier demo did, or None where
     DEMO_UNTIL stopped this run."""
     done = root / "stages"
     skipped: list[str] = []
     pending: list[Beside] = []  # started beside the next stage not in BESIDE
+    held: dict[str, Held] = {}  # started with the stage whose checkpoint they wait for
     try:
         for i, stage in enumerate(stages, 1):
             say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
@@ -347,13 +421,19 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
             if _finished(done / f"{stage.name}.json", _record(stage)):
                 skipped.append(stage.name)
                 say(f"=== {stage.name}: done in an earlier run with the same settings, skipped (FRESH=1 reruns all)")
+            elif stage.name in held:
+                took = held[stage.name].wait(done)
+                say(f"=== {stage.name} took {took:.0f}s after {HELD[stage.name][0]}'s last checkpoint: "
+                    f"{held.pop(stage.name).last_line()}")
             elif (after is not None and not _finished(done / f"{after.name}.json", _record(after))
                   and _beside_allowed(stage, after)):
                 pending.append(Beside(stage, settings, root / f"{stage.name}.log"))
                 say(f"=== {stage.name}: runs beside {after.name}; its output goes to {pending[-1].log}")
                 continue
             else:
+                held.update(_hold(stages, i, done, settings))
                 _run(stage, done, settings)
+                _let_go(held, stage)
             if pending and stage.name not in BESIDE:  # the stage they ran beside is over
                 running, pending = pending, []
                 try:
@@ -376,7 +456,7 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
                 raise UserError(f"{failed}; and {also}") from None
         raise
     finally:  # any other way out (Ctrl-C, SIGTERM as app.common.Terminated, a crash): no orphan left running
-        for beside in pending:
+        for beside in pending + list(held.values()):  # a held one whose stage failed never goes: stopped unrun
             beside.stop()
     return skipped
 

@@ -1,9 +1,10 @@
-"""`python -m app.gate MODULE ARGS...`: `python -m MODULE ARGS...`, held at the start until a line comes on stdin.
+"""`python -m app.gate [--preload A,B] MODULE ARGS...`: `python -m MODULE ARGS...`, held at the start until a line
+comes on stdin, having imported A and B first.
 
 grpo-head starts verl's driver this way together with the Ray head: the driver imports what MODULE imports (verl,
 torch, Ray: seconds to tens of seconds, docs/benchmarks.md) while the head starts and the nodes join, and runs once
-the cluster is ready. End of input (the launch stopped first) exits 0 without running it. On a terminal it runs at
-once."""
+the cluster is ready; `make demo` starts A1's eval this way with GRPO (--preload: what the eval imports only inside
+its functions). End of input (the launch stopped first) exits 0 without running it. On a terminal it runs at once."""
 
 import ast
 import contextlib
@@ -26,7 +27,12 @@ def import_what_it_imports(module: str) -> None:
 
 
 def main() -> int:
-    module, args = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    preload, argv = (argv[1].split(","), argv[2:]) if argv[0] == "--preload" else ([], argv)
+    module, args = argv[0], argv[1:]
+    for name in preload:
+        with contextlib.suppress(Exception):  # as above: the real run meets any failure again
+            importlib.import_module(name)
     import_what_it_imports(module)
     if not sys.stdin.isatty() and not sys.stdin.readline():
         return 0

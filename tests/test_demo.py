@@ -423,6 +423,63 @@ def test_the_merge_and_the_eval_both_run_beside_grpo_and_a_failing_one_is_named(
     assert (tmp_path / "stages" / "grpo.json").is_file()
 
 
+def _held_plan(tmp_path, monkeypatch, grpo_code: str):
+    """grpo (a stand-in run in CKPT_DIR=run) then eval-grpo, a module run through app.gate as the demo holds it:
+    it records when it ran and prints an accuracy line."""
+    from app import demo
+    from app.smoke import Stage
+
+    (tmp_path / "standin_eval.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(tmp_path / 'eval-ran')!r}).write_text(str(time.time()))\n"
+        "print('arith accuracy 90.00% (9/10)')\n")
+    stages = [Stage("grpo", [sys.executable, "-c", grpo_code], {"CKPT_DIR": str(tmp_path / "run")}, "GRPO steps"),
+              Stage("eval-grpo", [sys.executable, "-m", "standin_eval"], {}, "accuracy A1")]
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("DEMO_GRPO_STEPS", "4")
+    monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)
+    monkeypatch.setattr(demo, "gpu_shared", lambda: (True, ""))
+    monkeypatch.setattr(demo, "plan", lambda settings: (tmp_path, stages))
+    monkeypatch.setattr(demo, "_verdict", lambda *args: None)  # judged elsewhere; here: when the eval runs
+    return demo
+
+
+def test_a1s_eval_starts_with_grpo_and_goes_when_its_last_step_is_saved_before_grpo_ends(tmp_path, monkeypatch, capsys):
+    """GRPO's stand-in checks the eval has not run, saves step 2 (not the last: the eval must not go), then step
+    4, and ends only once the eval has run: the held eval went on the tracker, while its stage still ran."""
+    from app.settings import load
+
+    tracker, ran = tmp_path / "run" / "latest_checkpointed_iteration.txt", tmp_path / "eval-ran"
+    demo = _held_plan(tmp_path, monkeypatch,
+                      "import pathlib, sys, time\n"
+                      f"tracker, ran = pathlib.Path({str(tracker)!r}), pathlib.Path({str(ran)!r})\n"
+                      "tracker.parent.mkdir()\ntime.sleep(1)\ntracker.write_text('2')\ntime.sleep(1)\n"
+                      "if ran.exists():\n    sys.exit(3)\n"
+                      "tracker.write_text('4')\n" + _waits_for(ran))
+    assert demo.main("demo", [], load()) == 0
+    out = capsys.readouterr().out
+    assert f"eval-grpo: starts now, held until grpo saves step 4; its output goes to {tmp_path / 'eval-grpo.log'}" in out
+    assert out.index("=== grpo took") < out.index("=== eval-grpo took")
+    assert "after grpo's last checkpoint: arith accuracy 90.00% (9/10)" in out
+    assert (tmp_path / "stages" / "eval-grpo.json").is_file()
+
+
+@pytest.mark.parametrize("grpo_code, says", [
+    ("import sys\nsys.exit(1)", "stage 'grpo' failed (exit 1)"),
+    ("pass", "grpo ended without saving its step 4"),
+])
+def test_when_grpo_fails_or_saves_no_last_step_the_held_eval_is_stopped_unrun(tmp_path, monkeypatch, grpo_code, says):
+    from app.settings import load
+
+    demo = _held_plan(tmp_path, monkeypatch, grpo_code)
+    with pytest.raises(UserError) as failed:
+        demo.main("demo", [], load())
+    assert says in str(failed.value) and "\n" not in str(failed.value)
+    assert not (tmp_path / "eval-ran").exists() and not (tmp_path / "stages" / "eval-grpo.json").exists()
+    assert "standin_eval" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
 def test_a_failing_eval_beside_grpo_fails_the_demo_in_one_line_naming_its_log(tmp_path, monkeypatch):
     from app.settings import load
 

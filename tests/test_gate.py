@@ -52,6 +52,18 @@ def test_the_held_driver_imports_first_and_runs_its_module_with_its_arguments_on
     assert (tmp_path / "executions").read_text() == "__main__ " and "Warning" not in err
 
 
+def test_preload_imports_a_module_the_driver_imports_only_when_it_runs(tmp_path):
+    write_modules(tmp_path)
+    (tmp_path / "late.py").write_text("from pathlib import Path\nPath(__file__).with_name('late-imported').touch()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    process = subprocess.Popen([sys.executable, "-m", "app.gate", "--preload", "json,late", "pkg.driver", "a=1"],
+                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "late-imported")
+    assert process.poll() is None and not (tmp_path / "ran").exists()  # imported, held
+    out, err = process.communicate("go\n", timeout=60)
+    assert process.returncode == 0 and (tmp_path / "ran").read_text() == '["a=1"]', err
+
+
 def test_end_of_input_stops_the_held_driver_unrun_and_quietly(tmp_path):
     write_modules(tmp_path)
     process = gate(tmp_path, "pkg.driver")
