@@ -240,7 +240,7 @@ REGISTRY: tuple[Var, ...] = (
     Var("DEMO_DIR", "path", "checkpoints/demo", "where `make demo` works", "`make demo` 的工作目录", ("demo",), G_ONCE),
     Var("DEMO_SFT_STEPS", "int", "300", "SFT steps of `make demo`", "`make demo` 的 SFT 步数", ("demo",), G_ONCE,
         minimum=4),
-    Var("DEMO_GRPO_STEPS", "int", "16", "GRPO steps of `make demo`", "`make demo` 的 GRPO 步数", ("demo",), G_ONCE,
+    Var("DEMO_GRPO_STEPS", "int", "12", "GRPO steps of `make demo`", "`make demo` 的 GRPO 步数", ("demo",), G_ONCE,
         minimum=4),
     Var("DEMO_UNTIL", "choice", None, "stop `make demo` after this stage (a rerun goes on from there)",
         "`make demo` 在此阶段后停下（再次运行从那里继续）", ("demo",), G_ONCE, example="eval-sft",
