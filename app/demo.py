@@ -322,15 +322,12 @@ class Held(Beside):
     def __init__(self, stage: Stage, settings: Settings, log: Path, run: Path, step: int):
         python, _, module, *rest = stage.argv  # [python, -m, app, command, ...]
         super().__init__(stage, settings, log, [python, "-m", "app.gate", "--preload", PRELOAD, module, *rest])
-        self.tracker, self.step, self.went = run / "latest_checkpointed_iteration.txt", step, False
+        self.run, self.step, self.went = run, step, False
         self.lock = threading.Lock()
         threading.Thread(target=self._poll, daemon=True).start()
 
     def saved(self) -> bool:
-        try:
-            return self.tracker.read_text().strip() == str(self.step)
-        except OSError:
-            return False
+        return runs.latest_step(self.run) == self.step
 
     def _poll(self) -> None:
         while not self.went and self.process.poll() is None:
@@ -403,7 +400,7 @@ def _let_go(held: dict[str, Held], stage: Stage) -> None:
     not seen it yet)."""
     for name, waiting in held.items():
         if HELD[name][0] == stage.name and not waiting.saved():
-            raise UserError(f"{stage.name} ended without saving its step {waiting.step} ({waiting.tracker}): "
+            raise UserError(f"{stage.name} ended without saving its step {waiting.step} in {waiting.run}: "
                             f"read its output above and rerun `make demo`")
         if HELD[name][0] == stage.name:
             waiting.go()

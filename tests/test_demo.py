@@ -277,7 +277,7 @@ def test_a_cut_short_grpo_stage_resumes_its_run_and_other_settings_start_over(tm
     monkeypatch.setattr(demo, "gpu_count", lambda settings: 1)  # this machine has none; no stage really runs here
     _, stages = demo.plan(load())
     grpo = next(s for s in stages if s.name == "grpo")
-    assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=16" in grpo.env["ARGS"]
+    assert "trainer.save_freq=10" in grpo.env["ARGS"] and "trainer.total_training_steps=12" in grpo.env["ARGS"]
     for stage in stages[:5]:  # prep .. eval-sft, as an earlier run leaves them
         marker = tmp_path / "stages" / f"{stage.name}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
