@@ -311,8 +311,10 @@ class Beside:
                 self.process.wait()
 
     def last_line(self) -> str:
-        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
-        return lines[-1] if lines else "(no output)"
+        """Its last unindented line: indented ones continue a table or a wrapped line above them."""
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        heads = [line for line in lines if not line[0].isspace()] or lines
+        return heads[-1].strip() if heads else "(no output)"
 
 
 class Held(Beside):

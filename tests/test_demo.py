@@ -399,7 +399,8 @@ def test_the_merge_and_the_eval_both_run_beside_grpo_and_a_failing_one_is_named(
 
     grpo_up, merged, evaluated = tmp_path / "grpo-up", tmp_path / "merged", tmp_path / "evaluated"
     touch = "pathlib.Path({!r}).touch()".format
-    stages = [Stage("merge-sft", [sys.executable, "-c", _waits_for(grpo_up, touch(str(merged)))], {}, "merge"),
+    said = "print('merged model ok')\nprint('  phase   at s (a table, indented)')\n"  # its head line is reported
+    stages = [Stage("merge-sft", [sys.executable, "-c", _waits_for(grpo_up, said + touch(str(merged)))], {}, "merge"),
               Stage("eval-sft", [sys.executable, "-c", _waits_for(grpo_up, touch(str(evaluated)))], {}, "A0"),
               Stage("grpo", [sys.executable, "-c", f"import pathlib\n{touch(str(grpo_up))}\n"
                              + _waits_for(merged, _waits_for(evaluated))], {}, "GRPO steps")]
@@ -412,6 +413,7 @@ def test_the_merge_and_the_eval_both_run_beside_grpo_and_a_failing_one_is_named(
     out = capsys.readouterr().out
     assert "merge-sft: runs beside grpo" in out and "eval-sft: runs beside grpo" in out
     assert out.index("=== grpo took") < out.index("merge-sft (beside grpo) took") < out.index("eval-sft (beside grpo) took")
+    assert "s: merged model ok\n" in out
     assert all((tmp_path / "stages" / f"{name}.json").is_file() for name in ("merge-sft", "eval-sft", "grpo"))
 
     stages[0] = Stage("merge-sft", [sys.executable, "-c", "import sys\nprint('no shards')\nsys.exit(2)"], {"X": "1"}, "merge")
