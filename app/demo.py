@@ -7,9 +7,9 @@ training):
 
 Every stage is the CLI command a user runs (`python -m app sft`, `... grpo-head`, `... merge`, `... eval`),
 started as a subprocess with the demo's own settings, as `make smoke` does. Both trainings also save the whole
-model at their last step (verl's `hf_model` checkpoint content), so GRPO and the evals start from those at once
-and the merges, the eval of the SFT model and the report run beside the next stage (their output in
-DEMO_DIR/<stage>.log). It passes only if GRPO's reward mean rises over the run and A1 beats A0 by more than noise
+model at their last step (verl's `hf_model` checkpoint content), so GRPO and the evals start from those at once:
+the SFT merge, the eval of the SFT model and the report run beside the next stage, the GRPO merge and the eval of
+the GRPO model start with GRPO and go when it saves its last step (their output in DEMO_DIR/<stage>.log). It passes only if GRPO's reward mean rises over the run and A1 beats A0 by more than noise
 (see `accuracy_margin`).
 
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/ (merged), grpo/
@@ -88,13 +88,14 @@ RESUMABLE = ("grpo",)
 # Stages that run beside the next stage not listed here: nothing needs their output before that one ends. prep
 # (2 s) beside tiny-model (18 s of imports on a fresh node, docs/gpu-runs.md run 21). A0's eval: its ~20 s on the
 # GPU are over long before GRPO's vLLM profiles and takes its memory, about 2 minutes into that stage (run 18).
-# The merges: 12-20 s each, mostly imports (runs 21, 51). Not where the GPU's compute mode is exclusive (gpu_shared).
-BESIDE = ("prep", "merge-sft", "eval-sft", "merge-grpo", "report")
+# The SFT merge: 12-20 s, mostly imports (runs 21, 51). Not where the GPU's compute mode is exclusive (gpu_shared).
+BESIDE = ("prep", "merge-sft", "eval-sft", "report")
 
-# A1's eval starts with GRPO, held by app.gate once it has imported torch and transformers (11 of the 14 s it took
-# on a fresh node, docs/gpu-runs.md run 54), and goes when GRPO's last checkpoint is saved, while Ray shuts down
-# (8 s). Not where the GPU's compute mode is exclusive (gpu_shared).
-HELD = {"eval-grpo": ("grpo", "DEMO_GRPO_STEPS")}  # stage -> the stage whose last checkpoint it waits for, its steps
+# A1's eval and the GRPO merge start with GRPO, held by app.gate once they have imported torch and transformers (11
+# of the eval's 14 s on a fresh node, docs/gpu-runs.md run 54), and go when GRPO's last checkpoint is saved, while
+# Ray shuts down (8 s). Run 55: the eval was done 2 s after the checkpoint, the merge beside it 12 s after the stage.
+# Not where the GPU's compute mode is exclusive (gpu_shared).
+HELD = {name: ("grpo", "DEMO_GRPO_STEPS") for name in ("merge-grpo", "eval-grpo")}  # -> the stage they wait for
 PRELOAD = "torch,transformers.models.auto.modeling_auto,transformers.models.auto.tokenization_auto"
 
 # LIMIT empty (= unset): the whole test split whatever LIMIT the caller exports, so that A0 and A1 score the

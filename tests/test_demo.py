@@ -67,7 +67,8 @@ def test_demo_dry_run_lists_every_stage_in_order(tmp_path):
                              f"MODEL={root / 'grpo' / 'global_step_8' / 'actor' / 'huggingface'}",
                              "prep: the arith task -> verl parquet (beside tiny-model",
                              "merge-sft: SFT -> HF model (beside grpo", "eval-sft: accuracy A0 (beside grpo",
-                             "merge-grpo: GRPO -> HF model (beside eval-grpo", "report: plots of the GRPO run (beside eval-grpo",
+                             "merge-grpo: GRPO -> HF model (starts with grpo, held", "eval-grpo: accuracy A1 (starts with grpo, held",
+                             "report: plots of the GRPO run (beside eval-grpo",
                              "trainer.total_training_steps=30",
                              "trainer.total_training_steps=8", "actor_rollout_ref.rollout.n=8"]:
         assert expected in out, expected
@@ -426,8 +427,8 @@ def test_the_merge_and_the_eval_both_run_beside_grpo_and_a_failing_one_is_named(
 
 
 def _held_plan(tmp_path, monkeypatch, grpo_code: str):
-    """grpo (a stand-in run in CKPT_DIR=run) then eval-grpo, a module run through app.gate as the demo holds it:
-    it records when it ran and prints an accuracy line."""
+    """grpo (a stand-in run in CKPT_DIR=run), then merge-grpo and eval-grpo, modules run through app.gate as the
+    demo holds them: each records that it ran and prints its line."""
     from app import demo
     from app.smoke import Stage
 
@@ -435,7 +436,10 @@ def _held_plan(tmp_path, monkeypatch, grpo_code: str):
         "import pathlib, time\n"
         f"pathlib.Path({str(tmp_path / 'eval-ran')!r}).write_text(str(time.time()))\n"
         "print('arith accuracy 90.00% (9/10)')\n")
+    (tmp_path / "standin_merge.py").write_text(
+        f"import pathlib\npathlib.Path({str(tmp_path / 'merge-ran')!r}).touch()\nprint('merged model in grpo-model')\n")
     stages = [Stage("grpo", [sys.executable, "-c", grpo_code], {"CKPT_DIR": str(tmp_path / "run")}, "GRPO steps"),
+              Stage("merge-grpo", [sys.executable, "-m", "standin_merge"], {}, "GRPO -> HF model"),
               Stage("eval-grpo", [sys.executable, "-m", "standin_eval"], {}, "accuracy A1")]
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("DEMO_DIR", str(tmp_path))
@@ -458,13 +462,14 @@ def test_a1s_eval_starts_with_grpo_and_goes_when_its_last_step_is_saved_before_g
                       f"tracker, ran = pathlib.Path({str(tracker)!r}), pathlib.Path({str(ran)!r})\n"
                       "tracker.parent.mkdir()\ntime.sleep(1)\ntracker.write_text('2')\ntime.sleep(1)\n"
                       "if ran.exists():\n    sys.exit(3)\n"
-                      "tracker.write_text('4')\n" + _waits_for(ran))
+                      "tracker.write_text('4')\n" + _waits_for(ran, _waits_for(tmp_path / "merge-ran")))
     assert demo.main("demo", [], load()) == 0
     out = capsys.readouterr().out
     assert f"eval-grpo: starts now, held until grpo saves step 4; its output goes to {tmp_path / 'eval-grpo.log'}" in out
     assert out.index("=== grpo took") < out.index("=== eval-grpo took")
     assert "after grpo's last checkpoint: arith accuracy 90.00% (9/10)" in out
-    assert (tmp_path / "stages" / "eval-grpo.json").is_file()
+    assert "=== merge-grpo took" in out and "after grpo's last checkpoint: merged model in grpo-model" in out
+    assert all((tmp_path / "stages" / f"{name}.json").is_file() for name in ("merge-grpo", "eval-grpo"))
 
 
 @pytest.mark.parametrize("grpo_code, says", [
@@ -478,8 +483,10 @@ def test_when_grpo_fails_or_saves_no_last_step_the_held_eval_is_stopped_unrun(tm
     with pytest.raises(UserError) as failed:
         demo.main("demo", [], load())
     assert says in str(failed.value) and "\n" not in str(failed.value)
-    assert not (tmp_path / "eval-ran").exists() and not (tmp_path / "stages" / "eval-grpo.json").exists()
-    assert "standin_eval" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not (tmp_path / "eval-ran").exists() and not (tmp_path / "merge-ran").exists()
+    assert not [p for p in (tmp_path / "stages").glob("*-grpo.json")]
+    left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "standin_eval" not in left and "standin_merge" not in left
 
 
 def test_a_failing_eval_beside_grpo_fails_the_demo_in_one_line_naming_its_log(tmp_path, monkeypatch):
