@@ -390,7 +390,10 @@ def _hold(stages: list[Stage], i: int, done: Path, settings: Settings) -> dict[s
         follows, steps = HELD.get(stage.name, (None, None))
         if follows != stages[i - 1].name or _finished(done / f"{stage.name}.json", _record(stage)):
             continue
-        if _beside_allowed(stage, stages[i - 1]):
+        shared, why = gpu_shared()
+        if not shared:
+            say(f"=== {stage.name}: runs after {follows}, not with it: {why}")
+        else:
             run = Path(stages[i - 1].env["CKPT_DIR"])
             held[stage.name] = Held(stage, settings, done.parent / f"{stage.name}.log", run, settings[steps])
             say(f"=== {stage.name}: starts now, held until {follows} saves step {settings[steps]}; its output goes "
