@@ -9,8 +9,8 @@ Every stage is the CLI command a user runs (`python -m app sft`, `... grpo-head`
 started as a subprocess with the demo's own settings, as `make smoke` does. Both trainings also save the whole
 model at their last step (verl's `hf_model` checkpoint content), so GRPO and the evals start from those at once:
 the SFT merge, the eval of the SFT model and the report run beside the next stage, the GRPO merge and the eval of
-the GRPO model start with GRPO and go when it saves its last step (their output in DEMO_DIR/<stage>.log). It passes only if GRPO's reward mean rises over the run and A1 beats A0 by more than noise
-(see `accuracy_margin`).
+the GRPO model start with GRPO and go when it saves its last step (their output in DEMO_DIR/<stage>.log). It passes
+only if GRPO's reward mean rises over the run and A1 beats A0 by more than noise (see `accuracy_margin`).
 
 Everything lives under DEMO_DIR (default checkpoints/demo): data/, model/, sft/ (run), sft-model/ (merged), grpo/
 (run, with report/ plots), grpo-model/ (merged), eval-sft/, eval-grpo/, demo.json (the verdict and its figures).
@@ -404,12 +404,11 @@ def _hold(stages: list[Stage], i: int, done: Path, settings: Settings) -> dict[s
 def _let_go(held: dict[str, Held], stage: Stage) -> None:
     """After `stage` ended well: its last checkpoint is there, so what waits for it goes (at once, if the poll has
     not seen it yet)."""
-    for name, waiting in held.items():
-        if HELD[name][0] == stage.name and not waiting.saved():
+    for waiting in (held[name] for name in held if HELD[name][0] == stage.name):
+        if not waiting.saved():
             raise UserError(f"{stage.name} ended without saving its step {waiting.step} in {waiting.run}: "
                             f"read its output above and rerun `make demo`")
-        if HELD[name][0] == stage.name:
-            waiting.go()
+        waiting.go()
 
 
 def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: float) -> list[str] | None:
