@@ -450,12 +450,11 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
                     f"goes on from here ({time.monotonic() - began:.0f}s in this run, {so_far:.0f}s of stages so far)")
                 return None
     except UserError as failed:
-        if [b for b in pending if not b.waited]:
+        if left := [b for b in pending if not b.waited]:
             # the stage they ran beside failed: keep their own results if they end well, so that a rerun skips them
-            names = ", ".join(f"{b.stage.name} (its output in {b.log})" for b in pending)
-            say(f"=== waiting for {names} before stopping")
+            say(f"=== waiting for {', '.join(f'{b.stage.name} (its output in {b.log})' for b in left)} before stopping")
             try:
-                _wait_beside([b for b in pending if not b.waited], done, stage.name)
+                _wait_beside(left, done, stage.name)
             except UserError as also:
                 raise UserError(f"{failed}; and {also}") from None
         raise
