@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app import node, runs, timeline
@@ -263,10 +265,11 @@ def _beside_next(stages: list[Stage], i: int, settings: Settings) -> Stage | Non
     return None
 
 
-def _beside_allowed(stage: Stage, after: Stage) -> bool:
-    shared, why = gpu_shared()
+def _gpu_allows(stage: Stage, otherwise: str, gpu: Callable[[], tuple[bool, str]]) -> bool:
+    """Whether `stage` may share the GPU with the stage it runs beside; where not, says what it does instead."""
+    shared, why = gpu()
     if not shared:
-        say(f"=== {stage.name}: runs before {after.name}, not beside it: {why}")
+        say(f"=== {stage.name}: {otherwise}: {why}")
     return shared
 
 
@@ -381,7 +384,8 @@ def _wait_beside(pending: list[Beside], done: Path, after: str) -> None:
         raise UserError("; and ".join(failures))
 
 
-def _hold(stages: list[Stage], i: int, done: Path, settings: Settings) -> dict[str, Held]:
+def _hold(stages: list[Stage], i: int, done: Path, settings: Settings,
+          gpu: Callable[[], tuple[bool, str]]) -> dict[str, Held]:
     """The HELD stages that wait for stages[i - 1] and this run goes on to, started now where the GPU allows."""
     names = [s.name for s in stages]
     last = names.index(settings["DEMO_UNTIL"]) if settings["DEMO_UNTIL"] else len(stages)
@@ -390,10 +394,7 @@ def _hold(stages: list[Stage], i: int, done: Path, settings: Settings) -> dict[s
         follows, steps = HELD.get(stage.name, (None, None))
         if follows != stages[i - 1].name or _finished(done / f"{stage.name}.json", _record(stage)):
             continue
-        shared, why = gpu_shared()
-        if not shared:
-            say(f"=== {stage.name}: runs after {follows}, not with it: {why}")
-        else:
+        if _gpu_allows(stage, f"runs after {follows}, not with it", gpu):
             run = Path(stages[i - 1].env["CKPT_DIR"])
             held[stage.name] = Held(stage, settings, done.parent / f"{stage.name}.log", run, settings[steps])
             say(f"=== {stage.name}: starts now, held until {follows} saves step {settings[steps]}; its output goes "
@@ -418,6 +419,7 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
     skipped: list[str] = []
     pending: list[Beside] = []  # started beside the next stage not in BESIDE
     held: dict[str, Held] = {}  # started with the stage whose checkpoint they wait for
+    gpu = functools.cache(gpu_shared)  # one nvidia-smi answer for the run
     try:
         for i, stage in enumerate(stages, 1):
             say(f"\n=== demo [{i}/{len(stages)}] {stage.name}: {stage.what}")
@@ -430,12 +432,12 @@ def _run_stages(root: Path, stages: list[Stage], settings: Settings, began: floa
                 say(f"=== {stage.name} took {took:.0f}s after {HELD[stage.name][0]}'s last checkpoint: "
                     f"{held.pop(stage.name).last_line()}")
             elif (after is not None and not _finished(done / f"{after.name}.json", _record(after))
-                  and _beside_allowed(stage, after)):
+                  and _gpu_allows(stage, f"runs before {after.name}, not beside it", gpu)):
                 pending.append(Beside(stage, settings, root / f"{stage.name}.log"))
                 say(f"=== {stage.name}: runs beside {after.name}; its output goes to {pending[-1].log}")
                 continue
             else:
-                held.update(_hold(stages, i, done, settings))
+                held.update(_hold(stages, i, done, settings, gpu))
                 _run(stage, done, settings)
                 _let_go(held, stage)
             if pending and stage.name not in BESIDE:  # the stage they ran beside is over

@@ -540,16 +540,20 @@ def test_without_a_shared_gpu_the_eval_runs_before_grpo_and_says_why(tmp_path, m
     assert "beside grpo)" not in out and not (tmp_path / "eval-sft.log").exists()
 
 
-def test_without_a_shared_gpu_the_held_stages_run_after_grpo_and_say_why(tmp_path, monkeypatch, capsys):
+def test_without_a_shared_gpu_the_held_stages_run_after_grpo_and_say_why_asking_nvidia_smi_once(
+        tmp_path, monkeypatch, capsys):
     from app.settings import load
 
     tracker, ran = tmp_path / "run" / "latest_checkpointed_iteration.txt", tmp_path / "eval-ran"
     demo = _held_plan(tmp_path, monkeypatch, "import pathlib, sys, time\n"
                       f"tracker = pathlib.Path({str(tracker)!r})\ntracker.parent.mkdir()\ntracker.write_text('4')\n"
                       f"time.sleep(1)\nsys.exit(3 if pathlib.Path({str(ran)!r}).exists() else 0)")
-    monkeypatch.setattr(demo, "gpu_shared", lambda: (False, "the GPU's compute mode is Exclusive_Process"))
+    asked = []
+    monkeypatch.setattr(demo, "gpu_shared",
+                        lambda: asked.append(1) or (False, "the GPU's compute mode is Exclusive_Process"))
     assert demo.main("demo", [], load()) == 0
     out = capsys.readouterr().out
+    assert len(asked) == 1  # one answer for the run, not one per stage
     for name in ("merge-grpo", "eval-grpo"):
         assert f"{name}: runs after grpo, not with it: the GPU's compute mode is Exclusive_Process" in out
         assert (tmp_path / "stages" / f"{name}.json").is_file() and not (tmp_path / f"{name}.log").exists()
