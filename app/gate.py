@@ -1,5 +1,6 @@
-"""`python -m app.gate [--preload A,B] MODULE ARGS...`: `python -m MODULE ARGS...`, held at the start until a line
-comes on stdin, having imported A and B first.
+"""`python -m app.gate [--preload A,B] [--ray] MODULE ARGS...`: `python -m MODULE ARGS...`, held at the start until a
+line comes on stdin, having imported A and B first. --ray: joins the Ray cluster at RAY_ADDRESS before MODULE runs,
+as a job without a runtime_env, so that MODULE (verl's driver) does not start one with its own (RAY_WARM_WORKERS).
 
 grpo-head starts verl's driver this way together with the Ray head: the driver imports what MODULE imports (verl,
 torch, Ray: seconds to tens of seconds, docs/benchmarks.md) while the head starts and the nodes join, and runs once
@@ -29,6 +30,8 @@ def import_what_it_imports(module: str) -> None:
 def main() -> int:
     argv = sys.argv[1:]
     preload, argv = (argv[1].split(","), argv[2:]) if argv[0] == "--preload" else ([], argv)
+    join_ray = argv[0] == "--ray"
+    argv = argv[1:] if join_ray else argv
     module, args = argv[0], argv[1:]
     for name in preload:
         with contextlib.suppress(Exception):  # as above: the real run meets any failure again
@@ -43,6 +46,10 @@ def main() -> int:
     if not found:  # as `python -m` says it, without a traceback
         print(f"{sys.executable}: No module named {module}", file=sys.stderr)
         return 1
+    if join_ray:  # Ray prestarts its workers for a job without a runtime_env only; the raylets hold verl's
+        import ray
+
+        ray.init()  # at RAY_ADDRESS, the launch's, as verl's own ray.init would join
     sys.argv = [module, *args]  # run_module sets argv[0] to the module's file, as `python -m` does
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

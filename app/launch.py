@@ -411,7 +411,9 @@ def _wait_child(address: str, nnodes: int, gpus_per_node: int, timeout: float, l
     with open(Path(run).parent / "ray-wait.log", "a") as log:
         os.dup2(log.fileno(), 2)
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+        # a runtime_env of its own: its tasks get a worker of their own that imports nothing (app.rayworker)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"STACK_NODE_CHECK": "1"}})
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
         answers.send(("error", f"cannot join the Ray cluster at {address} ({' '.join(str(exc).split())[:200]}): if "
                                "a Ray head that this run did not start answers there, e.g. one left by a run that was "
@@ -499,6 +501,36 @@ def compile_env(settings: Settings, *, vllm: bool) -> dict[str, str]:
     return env
 
 
+# verl 0.9.1's job runtime_env for the configs warm_workers accepts (trainer/constants_ppo.py PPO_RAY_RUNTIME_ENV, the
+# flags get_ppo_ray_runtime_env forwards, main_ppo's TRANSFER_QUEUE_ENABLE); tests/test_launch.py holds it to verl's own
+VERL_JOB_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "VLLM_LOGGING_LEVEL": "WARN",
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "VLLM_DISABLE_COMPILE_CACHE": "1",
+                "HCCL_HOST_SOCKET_PORT_RANGE": "auto", "HCCL_NPU_SOCKET_PORT_RANGE": "auto", "HSA_NO_SCRATCH_RECLAIM": "1",
+                "VERL_FULL_DETERMINISM": "0", "VLLM_BATCH_INVARIANT": "0", "VERL_RL_INSIGHT_ENABLE": "0"}
+
+
+def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
+    """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which this
+    environment overrides as verl lets the driver's), or ({}, why not) where verl would give its job more than
+    VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver joins without one."""
+    if not spec.settings["RAY_WARM_WORKERS"]:
+        return {}, "RAY_WARM_WORKERS is off"
+    logger = spec.get("trainer.logger") or []
+    other = [why for why, found in (
+        ("full_determinism", spec.get("actor_rollout_ref.rollout.full_determinism")
+         or spec.get("reward.reward_model.rollout.full_determinism")),
+        ("the rl_insight logger", "rl_insight" in ([logger] if isinstance(logger, str) else logger)),
+        ("a profiler", spec.get("global_profiler.tool") not in (None, "null")),
+        ("megatron", "megatron" in (spec.get("actor_rollout_ref.actor.strategy"), spec.get("critic.strategy"))),
+        ("ray_kwargs.ray_init.runtime_env", any(v is not None for v in dict(
+            spec.get("ray_kwargs.ray_init.runtime_env") or {}).values()))) if found]
+    if other:
+        return {}, f"verl gives the job its own environment with {other[0]}"
+    shell = spec.settings.environ()
+    job = {**VERL_JOB_ENV, **({"TRANSFER_QUEUE_ENABLE": "1"} if spec.get("transfer_queue.enable") else {})}
+    return {"RAY_preload_python_modules": "app.rayworker", **{k: v for k, v in job.items() if k not in shell}}, ""
+
+
 def launch_grpo_head(settings: Settings) -> int:
     from app.tracking import tracking_overrides
 
@@ -523,17 +555,20 @@ def launch_grpo_head(settings: Settings) -> int:
                                 "stop it, or set RAY_PORT to a free port (the same on every node)")
         auth = ray_auth_env(spec.run_dir, settings, create=not dry) if settings["RAY_AUTH_TOKEN"] or not existing else {}
         head_cmd = ray_start(spec, head=True)
+        workers_env, cold = warm_workers(spec) if not existing else ({}, "a Ray head this command did not start")
+        if settings["RAY_WARM_WORKERS"] and cold:
+            warn(f"RAY_WARM_WORKERS: not for this run ({cold}); verl's processes import as they start")
         # this attempt's tracking and compile settings also travel in the job's runtime_env, to actors on every
         # node, even under a Ray head this command did not start
         extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})
         # verl's driver, held by app.gate: it imports verl, torch and Ray while the head starts and the nodes join,
         # and runs once they have (its imports are most of its start: docs/benchmarks.md)
-        driver_cmd = [sys.executable, "-m", "app.gate", settings["GRPO_TRAINER_MODULE"],
+        driver_cmd = [sys.executable, "-m", "app.gate", *(["--ray"] if workers_env else []), settings["GRPO_TRAINER_MODULE"],
                       *hydra_args("grpo", [*spec.overrides, *extra_overrides])]
         extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
-                       "GPU(s))", {**extra, "RAY_ADDRESS": spec.ray_address}, [
+                       "GPU(s))", {**extra, **workers_env, "RAY_ADDRESS": spec.ray_address}, [
                            ("start the Ray head (stopped again when GRPO ends)", head_cmd),
                            (f"and GRPO's driver, which imports meanwhile and runs against that cluster once "
                             f"{spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) each, every one running this run "
@@ -554,7 +589,7 @@ def launch_grpo_head(settings: Settings) -> int:
                 say(f"$ {shlex.join(head_cmd)} (its output: {logs_dir(spec.run_dir) / 'ray-head.log'})")
                 address_file = ClusterAddressFile(spec.ray_address, settings)
                 with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
-                    head = subprocess.Popen(head_cmd, env=settings.environ(extra), stdout=log, stderr=subprocess.STDOUT,
+                    head = subprocess.Popen(head_cmd, env=settings.environ({**extra, **workers_env}), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
             def checked() -> list[str]:
@@ -606,7 +641,7 @@ def launch_grpo_worker(settings: Settings) -> int:
     command = ray_start(spec, head=False)
     timeout = settings["WAIT_TIMEOUT"]
     name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
-    extra = {**tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True)}
+    extra = {**tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True), **warm_workers(spec)[0]}
     if dry:
         print_plan(settings, f"grpo-worker joining {spec.ray_address}", {**extra, **ray_auth_env(
             spec.run_dir, settings, create=False)}, [

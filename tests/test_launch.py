@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_app
+from conftest import LAUNCH_VARS, REPO, assert_one_line_error, run_app
 from processes import driver_saw_both_nodes, free_port, stop_group, worker_then_head
 
 
@@ -308,6 +308,54 @@ def test_ray_head_times_out_with_how_many_joined_and_from_where(ray_env, tmp_pat
     assert last.startswith("error: only 1 of 2 nodes joined within 15s (") and "(1 GPU)" in last, log[-3000:]
     assert "make grpo-worker HEAD_IP=127.0.0.1" in last
     assert "stopping the Ray head" in log and not (Path(env["CKPT_DIR"]) / "driver.json").exists()
+
+
+def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_where_verl_gives_more(
+        base_env, monkeypatch):
+    """RAY_WARM_WORKERS: the driver joins without a runtime_env (Ray prestarts workers only for such a job), so what
+    verl 0.9.1 would give its job is on `ray start` instead: exactly its own function's answer for this config."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    from app import launch, spec as specs
+    from app.settings import load
+
+    for name in [*LAUNCH_VARS, *launch.VERL_JOB_ENV, "TRANSFER_QUEUE_ENABLE"]:
+        monkeypatch.delenv(name, raising=False)
+    for name in ("MODEL_PATH", "DATA_DIR", "CKPT_DIR"):
+        monkeypatch.setenv(name, base_env[name])
+    monkeypatch.setenv("RAY_WARM_WORKERS", "1")
+    for tq in ("False", "True"):
+        monkeypatch.setenv("ARGS", f"transfer_queue.enable={tq}")
+        spec = specs.read("grpo", load())
+        env, why = launch.warm_workers(spec)
+        verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
+        verls.update({"TRANSFER_QUEUE_ENABLE": "1"} if tq == "True" else {})
+        assert why == "" and env == {"RAY_preload_python_modules": "app.rayworker", **verls}
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the node's own value wins, as verl lets the driver's
+    assert "TOKENIZERS_PARALLELISM" not in launch.warm_workers(specs.read("grpo", load()))[0]
+    for args, named in (("actor_rollout_ref.rollout.full_determinism=True", "full_determinism"),
+                        ("+ray_kwargs.ray_init.runtime_env.env_vars.MINE=1", "ray_kwargs.ray_init.runtime_env"),
+                        ("global_profiler.tool=nsys", "a profiler")):
+        monkeypatch.setenv("ARGS", args)
+        env, why = launch.warm_workers(specs.read("grpo", load()))
+        assert env == {} and why == f"verl gives the job its own environment with {named}"
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "RAY_WARM_WORKERS": "1", "ARGS": args})
+    assert result.returncode == 0, result.stderr
+    assert "RAY_WARM_WORKERS: not for this run (verl gives the job its own environment with a profiler)" in \
+        result.stderr and "app.gate --ray" not in result.stdout
+
+
+@pytest.mark.slow
+def test_warm_workers_have_imported_verl_and_hold_its_job_environment_when_the_driver_uses_them(ray_env, tmp_path):
+    env = {**ray_env, "RAY_WARM_WORKERS": "1", "NNODES": "1", "WAIT_TIMEOUT": "300"}
+    result = run_app("grpo-head", env=env, timeout=500)
+    assert result.returncode == 0, result.stderr
+    assert "-m app.gate --ray ray_driver" in result.stdout
+    seen = json.loads((Path(env["CKPT_DIR"]) / "driver.json").read_text())
+    assert seen["job_runtime_env"] == {}  # the job Ray prestarted its workers for
+    [task] = seen["tasks"]
+    assert task["preloaded"] and task["TOKENIZERS_PARALLELISM"] == "true" and task["TORCH_COMPILE_JOB_ID"] == "verl-stack"
+    assert "app.rayworker:" not in result.stdout + result.stderr  # every module of verl's preloaded
 
 
 def test_grpo_worker_dry_run_joins_the_head_address_and_needs_head_ip(base_env):

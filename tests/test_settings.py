@@ -226,7 +226,7 @@ def test_defaults_examples_and_tests_name_no_address_outside_loopback():
 
 # --- layout: environment reads, the run directory's marker, the model-directory check -------------------
 
-def test_at_most_five_environment_reads_outside_settings_each_with_a_comment_why():
+def test_at_most_six_environment_reads_outside_settings_each_with_a_comment_why():
     reads = []
     for path in sorted((REPO / "app").glob("*.py")):
         if path.name == "settings.py":
@@ -237,7 +237,9 @@ def test_at_most_five_environment_reads_outside_settings_each_with_a_comment_why
                 reads.append((path.name, i + 1))
                 context = "\n".join(lines[max(0, i - 2):i + 1])
                 assert "#" in context, f"{path.name}:{i + 1} reads the environment without saying why"
-    assert len(reads) <= 5, reads
+    # the CLI's debug switch, compose's environment, the node check's task, the token for the wait's driver, a rank
+    # of torchrun's, a Ray worker's (app/rayworker.py)
+    assert len(reads) <= 6, reads
 
 
 def test_the_latest_checkpoint_marker_is_named_in_one_place():
