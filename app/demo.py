@@ -277,13 +277,14 @@ class Beside:
     """A stage run in the background while the next one runs. Its output goes to a log file: interleaved
     with verl's it would be unreadable."""
 
-    def __init__(self, stage: Stage, settings: Settings, log: Path, argv: list[str] | None = None):
+    def __init__(self, stage: Stage, settings: Settings, log: Path, gated: list[str] | None = None):
+        """gated: the argv that starts it held by app.gate, which waits for its go on stdin (Held)."""
         self.stage, self.log = stage, log
         self.started = self.ended = time.monotonic()
         self.waited = False  # wait() has reported its outcome (passed or raised)
         with open(log, "w") as out:
-            self.process = subprocess.Popen(argv or stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
-                                            stdin=subprocess.PIPE if argv else subprocess.DEVNULL, stdout=out,
+            self.process = subprocess.Popen(gated or stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
+                                            stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT)
         # its own time, not the time until the stage beside it is over and wait() is called
         self.watcher = threading.Thread(target=self._watch, daemon=True)

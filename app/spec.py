@@ -252,6 +252,8 @@ class Spec:
         for split in ("train", "val"):
             for i, path in enumerate(self.files(split)):
                 out[f"data.{split}_files[{i}]"] = identity(path)
+        if self.job == "grpo":  # where the driver joins without verl's job environment, every raylet holds it
+            out["RAY_WARM_WORKERS"] = str(self.settings["RAY_WARM_WORKERS"])
         out["stack code"] = stack_digest()
         out["verl"] = importlib.metadata.version("verl")
         return out

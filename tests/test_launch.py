@@ -331,6 +331,7 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
         verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
         verls.update({"TRANSFER_QUEUE_ENABLE": "1"} if tq == "True" else {})
         assert why == "" and env == {"RAY_preload_python_modules": "app.rayworker", **verls}
+    assert spec.fingerprint()["RAY_WARM_WORKERS"] == "True"  # every node the same: compared as they join
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the node's own value wins, as verl lets the driver's
     assert "TOKENIZERS_PARALLELISM" not in launch.warm_workers(specs.read("grpo", load()))[0]
     for args, named in (("actor_rollout_ref.rollout.full_determinism=True", "full_determinism"),
