@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from app.common import Terminated, UserError, stop_once
+from app.common import Terminated, UserError, stop_once, write_line
 
 # Top-level packages the stack imports (pyproject.toml's dependencies and what they bring). A
 # ModuleNotFoundError for one of them means this interpreter is not the stack's environment, not a bug.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}; run `python -m app --help` for the list", file=sys.stderr)
+        write_line(f"error: unknown command {command!r}; run `python -m app --help` for the list", sys.stderr)
         return 2
     # SIGTERM (docker stop, kill, timeout) unwinds like Ctrl-C: temporaries removed, children stopped
     signal.signal(signal.SIGTERM, stop_once)
@@ -76,32 +76,28 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.main(command, rest, settings) or 0)
     except UserError as exc:
         if str(exc):  # empty: a child process printed the one line already
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            write_line(f"error: {exc}", sys.stderr)
         return exc.exit_code
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
         if top not in DEPENDENCIES or debug():
             raise
-        print(f"error: {sys.executable} cannot import {top!r}, which the stack needs: run `make setup` and use "
-              "its .venv (leave PYTHON unset), install the stack into this interpreter (pip install -e .), or "
-              "point PYTHONPATH at a site-packages that has it (RUNTIME=local PYTHON=... PYTHONPATH=...)",
-              file=sys.stderr, flush=True)
+        write_line(f"error: {sys.executable} cannot import {top!r}, which the stack needs: run `make setup` and use "
+                   "its .venv (leave PYTHON unset), install the stack into this interpreter (pip install -e .), or "
+                   "point PYTHONPATH at a site-packages that has it (RUNTIME=local PYTHON=... PYTHONPATH=...)",
+                   sys.stderr)
         return 2
     except Terminated:
-        print("error: stopped by SIGTERM; nothing half-written was kept, rerun the same command",
-              file=sys.stderr, flush=True)
+        write_line("error: stopped by SIGTERM; nothing half-written was kept, rerun the same command", sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print("error: interrupted; nothing half-written was kept, rerun the same command", file=sys.stderr)
+        write_line("error: interrupted; nothing half-written was kept, rerun the same command", sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user mistake: still one line unless asked for more
         if debug():
             raise
-        print(
-            f"error: internal error {type(exc).__name__}: {exc} "
-            "(rerun with APP_DEBUG=1 for the traceback and report it)",
-            file=sys.stderr,
-        )
+        write_line(f"error: internal error {type(exc).__name__}: {exc} "
+                   "(rerun with APP_DEBUG=1 for the traceback and report it)", sys.stderr)
         return 1
 
 

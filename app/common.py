@@ -400,10 +400,19 @@ def stop_group(process, what: str = "", grace: float = 60.0) -> None:
     process.wait()
 
 
+def write_line(message: str, stream) -> None:
+    """print, flushed; where the reader is gone (`make ... | head`), the rest of this stream goes to /dev/null, so the
+    command still stops what it started and exits with its own code instead of a BrokenPipeError."""
+    try:
+        print(message, file=stream, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 def say(message: str) -> None:
     """Progress and results for the user (stdout, flushed so logs interleave correctly)."""
-    print(message, flush=True)
+    write_line(message, sys.stdout)
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    write_line(f"warning: {message}", sys.stderr)

@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -136,8 +137,13 @@ def run_process(settings: Settings, what: str, command: list[str], extra_env: di
 
 def _copy(source, sink, timeline: Timeline) -> None:
     for line in source:
-        sink.write(line)
-        sink.flush()
+        try:
+            sink.write(line)
+            sink.flush()
+        except BrokenPipeError:  # what reads our output is gone (`| head`): the run stops as on SIGTERM, instead of
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sink.fileno())  # ending this copy and leaving the driver
+            os.kill(os.getpid(), signal.SIGTERM)  # blocked on its full pipe for ever (docs/gpu-runs.md, run 58)
+            return
         timeline.watch(line)
 
 

@@ -359,6 +359,28 @@ def test_warm_workers_have_imported_verl_and_hold_its_job_environment_when_the_d
     assert "app.rayworker:" not in result.stdout + result.stderr  # every module of verl's preloaded
 
 
+@pytest.mark.slow
+def test_a_grpo_head_whose_reader_goes_away_stops_the_run_instead_of_hanging(ray_env):
+    """`make grpo-head | head`: once the reader has exited, copying the driver's output meets a broken pipe; the
+    launch then stops the driver and the head as on SIGTERM. Before, the copy ended there and the driver (verl's:
+    Ray prints every worker's lines through it) blocked on its full pipe for ever (docs/gpu-runs.md, run 58)."""
+    env = {**ray_env, "NNODES": "1", "WAIT_TIMEOUT": "300", "STANDIN_LINES": "20000"}
+    head = subprocess.Popen([sys.executable, "-m", "app", "grpo-head"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in head.stdout:  # up to the driver's go: the launch itself prints nothing more until the end
+            if "-m app.gate" in line:
+                break
+        head.stdout.close()
+        code = head.wait(timeout=300)
+    finally:
+        stop_group(head)
+    assert code == 143
+    left = subprocess.run(["pgrep", "-f", env["RAY_TMPDIR"]], capture_output=True, text=True).stdout.split()
+    assert not left, left  # the Ray head and its workers went with it
+    assert not (Path(env["CKPT_DIR"]) / "driver.json").exists()  # stopped while it printed
+
+
 def test_grpo_worker_dry_run_joins_the_head_address_and_needs_head_ip(base_env):
     result = run_app("grpo-worker", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "127.0.0.3", "RAY_PORT": "6400",
                                          "NODE_IP": "127.0.0.4"})
