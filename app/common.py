@@ -400,13 +400,18 @@ def stop_group(process, what: str = "", grace: float = 60.0) -> None:
     process.wait()
 
 
+def mute(stream) -> None:
+    """The rest of `stream` to /dev/null: its reader is gone (`make ... | head`), and the command still has to stop
+    what it started and exit with its own code instead of a BrokenPipeError."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 def write_line(message: str, stream) -> None:
-    """print, flushed; where the reader is gone (`make ... | head`), the rest of this stream goes to /dev/null, so the
-    command still stops what it started and exits with its own code instead of a BrokenPipeError."""
+    """print, flushed; muted once its reader is gone."""
     try:
         print(message, file=stream, flush=True)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        mute(stream)
 
 
 def say(message: str) -> None:

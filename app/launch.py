@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from app import node, spec as specs, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, say, stop_group, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, mute, say, stop_group, warn
 from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report, verl_checks
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
@@ -141,8 +141,8 @@ def _copy(source, sink, timeline: Timeline) -> None:
             sink.write(line)
             sink.flush()
         except BrokenPipeError:  # what reads our output is gone (`| head`): the run stops as on SIGTERM, instead of
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sink.fileno())  # ending this copy and leaving the driver
-            os.kill(os.getpid(), signal.SIGTERM)  # blocked on its full pipe for ever (docs/gpu-runs.md, run 58)
+            mute(sink)  # ending this copy and leaving the driver blocked on its full pipe for ever (gpu-runs.md run 58)
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         timeline.watch(line)
 
@@ -520,7 +520,7 @@ def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
     environment overrides as verl lets the driver's), or ({}, why not) where verl would give its job more than
     VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver joins without one."""
     if not spec.settings["RAY_WARM_WORKERS"]:
-        return {}, "RAY_WARM_WORKERS is off"
+        return {}, ""
     logger = spec.get("trainer.logger") or []
     other = [why for why, found in (
         ("full_determinism", spec.get("actor_rollout_ref.rollout.full_determinism")
