@@ -515,6 +515,11 @@ VERL_JOB_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "VLLM_LO
                 "VERL_FULL_DETERMINISM": "0", "VLLM_BATCH_INVARIANT": "0", "VERL_RL_INSIGHT_ENABLE": "0"}
 
 
+# Ray prestarts min(num_cpus, its startup concurrency: one per core) workers; verl 0.9.1 places 27 actors in them on a
+# one-node run, and each worker holds ~0.5 GB once it has imported (docs/benchmarks.md): no more on a node of 200 cores
+PRESTARTED_WORKERS = 32
+
+
 def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
     """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which this
     environment overrides as verl lets the driver's), or ({}, why not) where verl would give its job more than
@@ -534,6 +539,7 @@ def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
         return {}, f"verl gives the job its own environment with {other[0]}"
     shell = spec.settings.environ()
     job = {**VERL_JOB_ENV, **({"TRANSFER_QUEUE_ENABLE": "1"} if spec.get("transfer_queue.enable") else {})}
+    job["RAY_worker_maximum_startup_concurrency"] = str(min(os.cpu_count() or 1, PRESTARTED_WORKERS))
     return {"RAY_preload_python_modules": "app.rayworker", **{k: v for k, v in job.items() if k not in shell}}, ""
 
 

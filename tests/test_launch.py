@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -319,7 +320,7 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
     from app import launch, spec as specs
     from app.settings import load
 
-    for name in [*LAUNCH_VARS, *launch.VERL_JOB_ENV, "TRANSFER_QUEUE_ENABLE"]:
+    for name in [*LAUNCH_VARS, *launch.VERL_JOB_ENV, "TRANSFER_QUEUE_ENABLE", "RAY_worker_maximum_startup_concurrency"]:
         monkeypatch.delenv(name, raising=False)
     for name in ("MODEL_PATH", "DATA_DIR", "CKPT_DIR"):
         monkeypatch.setenv(name, base_env[name])
@@ -330,7 +331,8 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
         env, why = launch.warm_workers(spec)
         verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
         verls.update({"TRANSFER_QUEUE_ENABLE": "1"} if tq == "True" else {})
-        assert why == "" and env == {"RAY_preload_python_modules": "app.rayworker", **verls}
+        cap = {"RAY_worker_maximum_startup_concurrency": str(min(os.cpu_count(), 32))}  # the workers Ray prestarts
+        assert why == "" and env == {"RAY_preload_python_modules": "app.rayworker", **verls, **cap}
     assert spec.fingerprint()["RAY_WARM_WORKERS"] == "True"  # every node the same: compared as they join
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the node's own value wins, as verl lets the driver's
     assert "TOKENIZERS_PARALLELISM" not in launch.warm_workers(specs.read("grpo", load()))[0]
