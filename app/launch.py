@@ -521,8 +521,8 @@ PRESTARTED_WORKERS = 32
 
 
 def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
-    """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which this
-    environment overrides as verl lets the driver's), or ({}, why not) where verl would give its job more than
+    """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which the
+    shell's and the launch's own values override, as verl lets the driver's), or ({}, why not) where verl would give its job more than
     VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver joins without one."""
     if not spec.settings["RAY_WARM_WORKERS"]:
         return {}, ""
@@ -580,7 +580,7 @@ def launch_grpo_head(settings: Settings) -> int:
         extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
-                       "GPU(s))", {**extra, **workers_env, "RAY_ADDRESS": spec.ray_address}, [
+                       "GPU(s))", {**workers_env, **extra, "RAY_ADDRESS": spec.ray_address}, [
                            ("start the Ray head (stopped again when GRPO ends)", head_cmd),
                            (f"and GRPO's driver, which imports meanwhile and runs against that cluster once "
                             f"{spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) each, every one running this run "
@@ -601,7 +601,7 @@ def launch_grpo_head(settings: Settings) -> int:
                 say(f"$ {shlex.join(head_cmd)} (its output: {logs_dir(spec.run_dir) / 'ray-head.log'})")
                 address_file = ClusterAddressFile(spec.ray_address, settings)
                 with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
-                    head = subprocess.Popen(head_cmd, env=settings.environ({**extra, **workers_env}), stdout=log, stderr=subprocess.STDOUT,
+                    head = subprocess.Popen(head_cmd, env=settings.environ({**workers_env, **extra}), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
             def checked() -> list[str]:
@@ -653,7 +653,8 @@ def launch_grpo_worker(settings: Settings) -> int:
     command = ray_start(spec, head=False)
     timeout = settings["WAIT_TIMEOUT"]
     name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
-    extra = {**tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True), **warm_workers(spec)[0]}
+    # verl's job environment first: the launch's own values (VLLM_DISABLE_COMPILE_CACHE=0) override it, as on the head
+    extra = {**warm_workers(spec)[0], **tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True)}
     if dry:
         print_plan(settings, f"grpo-worker joining {spec.ray_address}", {**extra, **ray_auth_env(
             spec.run_dir, settings, create=False)}, [

@@ -358,6 +358,7 @@ def test_warm_workers_have_imported_verl_and_hold_its_job_environment_when_the_d
     assert seen["job_runtime_env"] == {}  # the job Ray prestarted its workers for
     [task] = seen["tasks"]
     assert task["preloaded"] and task["TOKENIZERS_PARALLELISM"] == "true" and task["TORCH_COMPILE_JOB_ID"] == "verl-stack"
+    assert task["VLLM_DISABLE_COMPILE_CACHE"] == "0"  # the launch's, not verl's job default (1): the cache is kept
     assert "app.rayworker:" not in result.stdout + result.stderr  # every module of verl's preloaded
 
 
