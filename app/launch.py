@@ -568,8 +568,9 @@ def launch_grpo_head(settings: Settings) -> int:
         auth = ray_auth_env(spec.run_dir, settings, create=not dry) if settings["RAY_AUTH_TOKEN"] or not existing else {}
         head_cmd = ray_start(spec, head=True)
         workers_env, cold = warm_workers(spec) if not existing else ({}, "a Ray head this command did not start")
-        if settings["RAY_WARM_WORKERS"] and cold:
-            warn(f"RAY_WARM_WORKERS: not for this run ({cold}); verl's processes import as they start")
+        if settings["RAY_WARM_WORKERS"] and cold:  # a warning where the user asked for it, a note where it is the default
+            (say if settings.source("RAY_WARM_WORKERS") == "default" else warn)(
+                f"RAY_WARM_WORKERS: not for this run ({cold}); verl's processes import as they start")
         # this attempt's tracking and compile settings also travel in the job's runtime_env, to actors on every
         # node, even under a Ray head this command did not start
         extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})

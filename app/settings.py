@@ -168,11 +168,13 @@ REGISTRY: tuple[Var, ...] = (
         "corruption that torch >= 2.10 fixed", "vLLM 的 torch.compile 缓存：0 保留，节点下次启动直接加载上次的编译结果"
         "（1xH200 上快 20 秒）；未设置时 verl 0.9.1 会设为 1（针对 torch >= 2.10 已修复的缓存损坏）",
         ("grpo-head", "grpo-worker"), G_RUN, choices=("0", "1")),
-    Var("RAY_WARM_WORKERS", "flag", "0", "Ray's workers on GRPO nodes import verl before they are given work "
-        "(app/rayworker.py): the actors verl starts one after another then find a process that has imported; verl's "
-        "job environment is set on `ray start` instead, since Ray prestarts workers only for a job without one",
-        "GRPO 节点上 Ray 的 worker 在接到任务前先导入 verl（app/rayworker.py）：verl 依次启动的 actor 直接使用已完成导入的进程；"
-        "verl 的作业环境变量改在 `ray start` 时设置，因为 Ray 只为没有 runtime_env 的作业预启动 worker",
+    Var("RAY_WARM_WORKERS", "flag", "1", "Ray's workers on GRPO nodes import verl before they are given work "
+        "(app/rayworker.py): the actors verl starts one after another then find a process that has imported (GRPO's "
+        "first step 42 s sooner on 1xH100); verl's job environment is set on `ray start` instead, since Ray prestarts "
+        "workers (one per core, at most 32, ~0.5 GB each) only for a job without one; 0 turns it off",
+        "GRPO 节点上 Ray 的 worker 在接到任务前先导入 verl（app/rayworker.py）：verl 依次启动的 actor 直接使用已完成导入的进程"
+        "（1xH100 上 GRPO 第一步提前 42 秒）；verl 的作业环境变量改在 `ray start` 时设置，因为 Ray 只为没有 runtime_env 的作业"
+        "预启动 worker（每核一个，最多 32 个，每个约 0.5 GB）；设为 0 关闭",
         ("grpo-head", "grpo-worker"), G_RUN),
     Var("TORCH_COMPILE_JOB_ID", "text", "verl-stack", "torch.compile's job id: with one, PyTorch keeps beside "
         "Inductor's cache which input sizes changed between calls, and the next run on the node compiles those "

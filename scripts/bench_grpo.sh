@@ -74,8 +74,10 @@ for name in "${configs[@]}"; do
                # torch without its record of which sizes varied (TORCH_COMPILE_JOB_ID, app/settings.py): FlexAttention
                # compiled at its first length, then again for any length, on every start as before
                nopgo) run_env+=(TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO=0) ;;
-               # Ray's workers import verl before verl starts its actors in them (app/rayworker.py)
+               # Ray's workers import verl before verl starts its actors in them (app/rayworker.py): the profile's
+               # default since round 12 (docs/benchmarks.md); `pool` names it as round 11's records do
                pool) run_env+=(RAY_WARM_WORKERS=1) ;;
+               nopool) run_env+=(RAY_WARM_WORKERS=0) ;;
                # a fresh node's compile caches on any node: Inductor's (with torch's record of dynamic sizes), Triton's
                # and vLLM's (under XDG_CACHE_HOME) in a new empty directory, so fresh and warm compare on one machine
                cold) run_env+=(XDG_CACHE_HOME="$BENCH_DIR/cold-$name" TORCHINDUCTOR_CACHE_DIR="$BENCH_DIR/cold-$name/inductor"

@@ -37,7 +37,7 @@ def ray_env(base_env):
                RAY_PORT=str(free_port()), GPUS_PER_NODE="1", GRPO_TRAINER_MODULE="ray_driver",
                RAY_START_ARGS=f"--num-gpus 1 --num-cpus 1 --include-dashboard false "
                               f"--dashboard-agent-listen-port {free_port()}",
-               RAY_gcs_rpc_server_reconnect_timeout_s="5")
+               RAY_gcs_rpc_server_reconnect_timeout_s="5", RAY_WARM_WORKERS="0")  # as test_launch.py's ray_env
     yield env
     subprocess.run(["rm", "-rf", temp])
 

@@ -190,7 +190,10 @@ def ray_env(base_env):
            "GPUS_PER_NODE": "1", "GRPO_TRAINER_MODULE": "ray_driver",
            "RAY_START_ARGS": "--num-gpus 1 --num-cpus 1 --include-dashboard false "
                              f"--dashboard-agent-listen-port {free_port()}",
-           "RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
+           "RAY_gcs_rpc_server_reconnect_timeout_s": "5",
+           # off where the test is about something else: the prestarted worker's imports of verl take ~11 s of this
+           # machine's cores (the warm-worker test and tests/test_schedulers.py run it as shipped)
+           "RAY_WARM_WORKERS": "0"}
     yield env
     subprocess.run(["rm", "-rf", temp])
 
@@ -212,7 +215,8 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
                                        "TORCH_COMPILE_JOB_ID": "my-job"})
     assert result.returncode == 0, result.stderr
     assert "export VLLM_DISABLE_COMPILE_CACHE=1" in result.stdout and "export TORCH_COMPILE_JOB_ID=my-job" in result.stdout
-    assert "-m app.gate verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
+    # RAY_WARM_WORKERS as shipped: the driver joins before verl's main, without a runtime_env
+    assert "-m app.gate --ray verl.trainer.main_ppo --config-dir" in out and "ray_kwargs.ray_init.address=127.0.0.3:6379" in out
 
 
 @pytest.mark.slow
@@ -346,6 +350,10 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
     assert result.returncode == 0, result.stderr
     assert "RAY_WARM_WORKERS: not for this run (verl gives the job its own environment with a profiler)" in \
         result.stderr and "app.gate --ray" not in result.stdout
+    monkeypatch.delenv("RAY_WARM_WORKERS")  # the default: said, not warned
+    result = run_app("grpo-head", env={**base_env, "DRY_RUN": "1", "ARGS": args})
+    assert result.returncode == 0 and "RAY_WARM_WORKERS: not for this run" in result.stdout, result.stderr
+    assert "RAY_WARM_WORKERS" not in result.stderr
 
 
 @pytest.mark.slow
