@@ -336,6 +336,7 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
         verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
         verls.update({"TRANSFER_QUEUE_ENABLE": "1"} if tq == "True" else {})
         cap = {"RAY_worker_maximum_startup_concurrency": str(min(os.cpu_count(), 32))}  # the workers Ray prestarts
+        assert env.pop("PYTHONPATH").split(os.pathsep)[0] == str(REPO)  # app.rayworker importable, installed or not
         assert why == "" and env == {"RAY_preload_python_modules": "app.rayworker", **verls, **cap}
     assert spec.fingerprint()["RAY_WARM_WORKERS"] == "True"  # every node the same: compared as they join
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the node's own value wins, as verl lets the driver's
