@@ -522,8 +522,9 @@ PRESTARTED_WORKERS = 32
 
 def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
     """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which the
-    shell's and the launch's own values override, as verl lets the driver's), or ({}, why not) where verl would give its job more than
-    VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver joins without one."""
+    shell's and the launch's own values override, as verl lets the driver's), or ({}, why not) where verl would give
+    its job more than VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver
+    joins without one."""
     if not spec.settings["RAY_WARM_WORKERS"]:
         return {}, ""
     logger = spec.get("trainer.logger") or []
