@@ -26,7 +26,10 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-MARKS = {"cluster ready": "cluster ready:", "driver's ray.init": "ray init kwargs:", "TaskRunner up": "(TaskRunnerV1"}
+# in the order they come; the driver joins in verl's main, or before it in app.gate --ray (RAY_WARM_WORKERS), where
+# Ray's own line says it
+MARKS = {"cluster ready": ("cluster ready:",), "driver's ray.init": ("ray init kwargs:", "Connected to Ray cluster"),
+         "TaskRunner up": ("(TaskRunnerV1",)}
 
 
 def free_port() -> int:
@@ -51,9 +54,11 @@ def one_start(tree: Path, work: Path, log: Path) -> dict[str, float]:
         for line in app.stdout:
             now = time.monotonic() - start
             out.write(f"{now:7.2f} {line}")
-            for mark, text in MARKS.items():
-                if text in line and mark not in seen:
+            for mark, texts in MARKS.items():
+                if mark not in seen and any(text in line for text in texts):
                     seen[mark] = round(now, 2)
+                if mark not in seen:
+                    break  # a later mark counts only once this one is seen
             if "TaskRunner up" in seen and not stopped:
                 app.send_signal(signal.SIGTERM)  # once, as `docker stop` does: the launch stops what it started
                 stopped = True
