@@ -598,7 +598,8 @@ def launch_grpo_head(settings: Settings) -> int:
         os.environ.update(auth)
         warm = warmup.start(spec.model_path, spec.run_dir / "logs" / "vllm-warmup.log", settings.environ(extra))
         head = driver = checks = None
-        driver_env = {**extra, "RAY_ADDRESS": spec.ray_address}
+        # Ray's failure handler in the driver prints "*** SIGTERM received ... PC: @ ..." when the launch stops it
+        driver_env = {**extra, "RAY_ADDRESS": spec.ray_address, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"}
         try:
             driver = start_process(settings, driver_cmd, driver_env, piped=True, held=True)
             if existing:
