@@ -414,6 +414,11 @@ def write_line(message: str, stream) -> None:
         mute(stream)
 
 
+def repo_first(pythonpath: str) -> str:
+    """PYTHONPATH with this checkout first: a child process imports `app` whatever its cwd, installed or not."""
+    return os.pathsep.join([str(REPO_ROOT), *(p for p in pythonpath.split(os.pathsep) if p and p != str(REPO_ROOT))])
+
+
 def say(message: str) -> None:
     """Progress and results for the user (stdout, flushed so logs interleave correctly)."""
     write_line(message, sys.stdout)

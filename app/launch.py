@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from app import node, spec as specs, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, REPO_ROOT, UserError, atomic_path, mute, say, stop_group, warn
+from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, mute, repo_first, say, stop_group, warn
 from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report, verl_checks
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
@@ -543,8 +543,7 @@ def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
     job["RAY_worker_maximum_startup_concurrency"] = str(min(os.cpu_count() or 1, PRESTARTED_WORKERS))
     # a worker imports app.rayworker before it knows its job's paths: `python -m app` from a checkout that is not
     # installed would otherwise leave each worker a "Failed to preload" traceback
-    path = [str(REPO_ROOT), *(p for p in shell.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
-    return {"RAY_preload_python_modules": "app.rayworker", "PYTHONPATH": os.pathsep.join(path),
+    return {"RAY_preload_python_modules": "app.rayworker", "PYTHONPATH": repo_first(shell.get("PYTHONPATH", "")),
             **{k: v for k, v in job.items() if k not in shell}}, ""
 
 

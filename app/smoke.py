@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app import node
-from app.common import REPO_ROOT, UserError, atomic_path, say
+from app.common import UserError, atomic_path, repo_first, say
 from app.runs import LATEST_FILE, latest_step, logs_dir, step_dir
 from app.settings import Settings
 
@@ -90,7 +90,7 @@ def child_env(stage: Stage, settings: Settings) -> dict[str, str]:
     environ = settings.environ()
     out = {k: v for k, v in environ.items() if k not in _DROPPED}
     # Keep the repo importable in the child whatever the cwd (GPU boxes run PYTHONPATH=/some/site).
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), environ.get("PYTHONPATH", "")) if p)
+    out["PYTHONPATH"] = repo_first(environ.get("PYTHONPATH", ""))
     visible = settings["CUDA_VISIBLE_DEVICES"]  # one GPU, so the preflight's GPU count matches GPUS_PER_NODE=1
     out["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
     out.update(stage.env)
