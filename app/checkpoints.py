@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
 
-from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, no_room_errno, refuse_symlink_loop,
-                        resolved, say, sweep_stale_temporaries, warn)
+from app.common import (ArgParser, NoRoom, UserError, atomic_path, check_room, ends_with_us, no_room_errno,
+                        refuse_symlink_loop, resolved, say, sweep_stale_temporaries, warn)
 from app.runs import (LATEST_FILE, STEP_RE, default_run_dir, latest_step, merged_model_dir, resolve_step, step_arg,
                       step_dir, steps_in)
 from app.settings import Settings
@@ -507,7 +507,7 @@ def _rsync(args: list[str], node: Node, what: str, missing_ok: bool = False, int
     # its own process group: rsync leaves without waiting for its ssh when the connection closes (exit 12);
     # what is left of the group (ssh, a wrapper named in RSYNC_RSH) is ended below, so nothing outlives gather
     proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=node.environ or None, start_new_session=True)
+                            env=node.environ or None, start_new_session=True, preexec_fn=ends_with_us)
     try:
         stdout, stderr = proc.communicate()
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import errno
 import os
 import re
@@ -365,6 +366,17 @@ def hydra_quoted(text: str) -> str:
     quote follows it, and then it is halved: only those runs are doubled (a path's `a\\b` stays as it is)."""
     body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def ends_with_us() -> None:
+    """preexec_fn of what the stack starts in a session of its own: Linux sends it SIGTERM when the command that
+    started it dies, even by SIGKILL (the OOM killer, which kills only that), and it stops its children as under
+    stop_group, instead of training on orphaned. PR_SET_PDEATHSIG, which subprocess has no argument for."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; resolved before the fork, so the child only calls it
 
 
 def stop_group(process, what: str = "", grace: float = 60.0) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app import node, runs, timeline
-from app.common import UserError, atomic_path, say
+from app.common import UserError, atomic_path, ends_with_us, say
 from app.settings import Settings
 from app.smoke import Stage, child_env, gpu_count, quarter_means, read_losses, run_stage, stage_failed
 from app.tracking import read_run
@@ -285,7 +285,7 @@ class Beside:
         with open(log, "w") as out:
             self.process = subprocess.Popen(gated or stage.argv, env=child_env(stage, settings), cwd=os.getcwd(),
                                             stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=out,
-                                            stderr=subprocess.STDOUT)
+                                            stderr=subprocess.STDOUT, preexec_fn=ends_with_us)
         # its own time, not the time until the stage beside it is over and wait() is called
         self.watcher = threading.Thread(target=self._watch, daemon=True)
         self.watcher.start()

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from app import node, spec as specs, warmup
-from app.common import PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, mute, repo_first, say, stop_group, warn
+from app.common import (PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, ends_with_us, mute, repo_first, say,
+                        stop_group, warn)
 from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report, verl_checks
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
@@ -104,7 +105,7 @@ def start_process(settings: Settings, command: list[str], extra_env: dict[str, s
     process = subprocess.Popen(command, env=settings.environ({**extra_env, "PYTHONUNBUFFERED": "1"}),
                                stdin=subprocess.PIPE if held else None, stdout=pipe,
                                stderr=subprocess.STDOUT if log else pipe, text=True, errors="replace",
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=ends_with_us)
     if log:
         pipe.close()
     return process
@@ -608,7 +609,7 @@ def launch_grpo_head(settings: Settings) -> int:
                 address_file = ClusterAddressFile(spec.ray_address, settings)
                 with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
                     head = subprocess.Popen(head_cmd, env=settings.environ({**workers_env, **extra}), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=ends_with_us)
 
             def checked() -> list[str]:
                 notes = verl_checks(spec)

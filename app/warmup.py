@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.common import raise_terminated, say, stop_group
+from app.common import ends_with_us, raise_terminated, say, stop_group
 from app.runs import read_model
 
 
@@ -35,7 +35,7 @@ def start(model_path: Path | None, log: Path, environ: dict[str, str]) -> subpro
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "app.warmup", *names], env=environ,
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=ends_with_us)
     # reaped when it ends (about 45 s in), not left a zombie until the launch ends (run 21)
     threading.Thread(target=process.wait, daemon=True).start()
     say(f"warming vLLM's model-info cache in the background (log: {log})")

@@ -6,6 +6,7 @@ checked before anything waits. Real Ray on 127.0.0.1 / 127.0.0.2, started throug
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -320,6 +321,41 @@ def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceb
     assert err.strip().splitlines()[-1].startswith(said)
     stray = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
     assert stray == [] and not (run / ".locks" / "node0.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["sft", "grpo-head"])
+def test_a_launch_killed_outright_leaves_nothing_of_its_run_running(ray_env, tmp_path, command):
+    """The OOM killer (or kill -9) takes the launch alone, and it stops nothing itself. What it started in sessions
+    of their own (torchrun; `ray start --block` and the held driver) learn their parent is gone (PR_SET_PDEATHSIG)
+    and stop their own children: no rank, Ray process or driver keeps going."""
+    env = {**ray_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STANDIN_HOLD": str(tmp_path / "never"),
+           "NNODES": "2" if command == "grpo-head" else "1", "WAIT_TIMEOUT": "300"}  # the head waits for a worker
+    launch = start_app(command, env, tmp_path / "launch.log")
+    run = Path(env["CKPT_DIR"])
+    started = run / "rank0.json" if command == "sft" else Path(env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 180
+    while not started.exists() and time.monotonic() < deadline and launch.poll() is None:
+        time.sleep(0.3)
+    assert started.exists(), (tmp_path / "launch.log").read_text()[-3000:]
+
+    def ours() -> list[str]:
+        found = processes_naming(env["RAY_TMPDIR"])
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if proc.info["pid"] != launch.pid and proc.environ().get("CKPT_DIR") == str(run):
+                    found.append(" ".join(proc.info["cmdline"] or [])[:160])
+        return found
+
+    assert ours(), "no process of the run found to begin with: the check below would prove nothing"
+    os.kill(launch.pid, signal.SIGKILL)
+    launch.wait()
+    deadline = time.monotonic() + 60  # each stops its own children, with time to
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = ours()
+    stop_group(launch, grace=5)
+    assert left == []
 
 
 def test_a_master_port_in_use_on_node_0_is_one_line_naming_its_holder(ray_env):
