@@ -522,10 +522,10 @@ PRESTARTED_WORKERS = 32
 
 
 def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
-    """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment, which the
-    shell's and the launch's own values override, as verl lets the driver's), or ({}, why not) where verl would give
-    its job more than VERL_JOB_ENV: Ray prestarts its workers only for a job without a runtime_env, so the driver
-    joins without one."""
+    """RAY_WARM_WORKERS: `ray start`'s extra environment (app.rayworker preloaded; verl's job environment less what
+    the shell or the launch itself sets, as verl leaves out what the driver's environment has), or ({}, why not)
+    where verl would give its job more than VERL_JOB_ENV: Ray prestarts its workers only for a job without a
+    runtime_env, so the driver joins without one."""
     if not spec.settings["RAY_WARM_WORKERS"]:
         return {}, ""
     logger = spec.get("trainer.logger") or []
@@ -540,12 +540,13 @@ def warm_workers(spec: specs.Spec) -> tuple[dict[str, str], str]:
     if other:
         return {}, f"verl gives the job its own environment with {other[0]}"
     shell = spec.settings.environ()
+    driver = {**shell, **compile_env(spec.settings, vllm=True)}  # VLLM_DISABLE_COMPILE_CACHE: ours, not verl's 1
     job = {**VERL_JOB_ENV, **({"TRANSFER_QUEUE_ENABLE": "1"} if spec.get("transfer_queue.enable") else {})}
     job["RAY_worker_maximum_startup_concurrency"] = str(min(os.cpu_count() or 1, PRESTARTED_WORKERS))
     # a worker imports app.rayworker before it knows its job's paths: `python -m app` from a checkout that is not
     # installed would otherwise leave each worker a "Failed to preload" traceback
     return {"RAY_preload_python_modules": "app.rayworker", "PYTHONPATH": repo_first(shell.get("PYTHONPATH", "")),
-            **{k: v for k, v in job.items() if k not in shell}}, ""
+            **{k: v for k, v in job.items() if k not in driver}}, ""
 
 
 def launch_grpo_head(settings: Settings) -> int:
@@ -660,7 +661,6 @@ def launch_grpo_worker(settings: Settings) -> int:
     command = ray_start(spec, head=False)
     timeout = settings["WAIT_TIMEOUT"]
     name = f"worker-{settings['NODE_IP'] or socket.gethostname()}"
-    # verl's job environment first: the launch's own values (VLLM_DISABLE_COMPILE_CACHE=0) override it, as on the head
     extra = {**warm_workers(spec)[0], **tracking(spec.run_dir, settings, dry), **compile_env(settings, vllm=True)}
     if dry:
         print_plan(settings, f"grpo-worker joining {spec.ray_address}", {**extra, **ray_auth_env(

@@ -318,7 +318,8 @@ def test_ray_head_times_out_with_how_many_joined_and_from_where(ray_env, tmp_pat
 def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_where_verl_gives_more(
         base_env, monkeypatch):
     """RAY_WARM_WORKERS: the driver joins without a runtime_env (Ray prestarts workers only for such a job), so what
-    verl 0.9.1 would give its job is on `ray start` instead: exactly its own function's answer for this config."""
+    verl 0.9.1 would give its job is on `ray start` instead: exactly its own function's answer for this config, under
+    the driver's environment (the launch's VLLM_DISABLE_COMPILE_CACHE, which verl then leaves out)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     from app import launch, spec as specs
@@ -333,7 +334,10 @@ def test_warm_workers_put_verls_own_job_environment_on_ray_start_or_nothing_wher
         monkeypatch.setenv("ARGS", f"transfer_queue.enable={tq}")
         spec = specs.read("grpo", load())
         env, why = launch.warm_workers(spec)
-        verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
+        with monkeypatch.context() as driver:
+            for name, value in launch.compile_env(spec.settings, vllm=True).items():
+                driver.setenv(name, value)
+            verls = get_ppo_ray_runtime_env(spec.cfg)["env_vars"]
         verls.update({"TRANSFER_QUEUE_ENABLE": "1"} if tq == "True" else {})
         cap = {"RAY_worker_maximum_startup_concurrency": str(min(os.cpu_count(), 32))}  # the workers Ray prestarts
         assert env.pop("PYTHONPATH").split(os.pathsep)[0] == str(REPO)  # app.rayworker importable, installed or not
