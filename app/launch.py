@@ -272,10 +272,11 @@ def ray_ports(settings: Settings, head: bool) -> list[str]:
 
 
 def ray_start(spec: specs.Spec, head: bool) -> list[str]:
-    """`ray start --block`: blocking, so stopping it stops exactly the Ray processes it started. The head's
-    dashboard and job API listen on loopback unless DASHBOARD_HOST asks for an address."""
+    """`ray start --block`: blocking, so stopping it stops exactly the Ray processes it started; through app.raystart,
+    which leaves the node's record of its current cluster as found. The head's dashboard and job API listen on
+    loopback unless DASHBOARD_HOST asks for an address."""
     settings = spec.settings
-    command = [sys.executable, "-m", "ray.scripts.scripts", "start"]
+    command = [sys.executable, "-m", "app.raystart", "start"]
     if head:
         command += ["--head", "--block", "--node-ip-address", settings["HEAD_IP"] or "127.0.0.1", "--port",
                     str(settings["RAY_PORT"]), "--dashboard-host", settings["DASHBOARD_HOST"], "--disable-usage-stats"]
@@ -284,49 +285,6 @@ def ray_start(spec: specs.Spec, head: bool) -> list[str]:
         if settings["NODE_IP"]:
             command += ["--node-ip-address", settings["NODE_IP"]]
     return command + ray_ports(settings, head) + list(settings.get("RAY_START_ARGS", ()))
-
-
-class ClusterAddressFile:
-    """`ray start` records its cluster in `<Ray temp dir>/ray_current_cluster`, and a plain `ray.init()` on this
-    node (no address, e.g. `python -m verl.trainer.main_ppo`) joins whatever that file names. Stopping `ray start
-    --block` with SIGTERM does not reset it (only a machine-wide `ray stop` does), so a later plain program would
-    try to join our dead head and hang. Remembered before our `ray start` and put back afterwards.
-
-    The temp dir is Ray 2.60's (ray/_common/utils.py get_default_ray_temp_dir, mirrored to avoid importing Ray):
-    `--temp-dir` of RAY_START_ARGS, else $RAY_TMPDIR/ray, else $TMPDIR/ray (Linux), else /tmp/ray."""
-
-    def __init__(self, address: str, settings: Settings):
-        self.port = address.rsplit(":", 1)[-1]
-        args, environ = list(settings.get("RAY_START_ARGS", ())), settings.environ()
-        temp = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--temp-dir"), None) or \
-            next((a.split("=", 1)[1] for a in args if a.startswith("--temp-dir=")), None)
-        base = environ.get("RAY_TMPDIR") or (environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
-        self.path = (Path(temp) if temp else Path(base or "/tmp") / "ray") / "ray_current_cluster"
-        self.before = self.read()
-
-    def read(self) -> str | None:
-        try:
-            return self.path.read_text().strip()
-        except OSError:
-            return None
-
-    def ours(self, content: str | None) -> bool:
-        """Whether `content` names a cluster at our port (Ray writes the address as it sees it, which can be the
-        node's primary address): whatever listened there is what this launch has just stopped."""
-        return content is not None and content.rsplit(":", 1)[-1] == self.port
-
-    def restore(self) -> None:
-        now = self.read()
-        if not self.ours(now):
-            return  # never written by our `ray start`, or another cluster's since: not ours to touch
-        try:
-            if self.before is not None and not self.ours(self.before):
-                self.path.write_text(self.before)
-            else:
-                self.path.unlink()
-        except OSError as exc:
-            warn(f"could not reset {self.path} ({exc.strerror}): a plain ray.init() here would try to join "
-                 f"{now}; remove the file or run `ray stop`")
 
 
 def head_ip_problem(head_ip: str | None) -> str | None:
@@ -607,7 +565,6 @@ def launch_grpo_head(settings: Settings) -> int:
                 say(f"a Ray head already answers at {spec.ray_address}: using it (it was not started by this command)")
             else:
                 say(f"$ {shlex.join(head_cmd)} (its output: {logs_dir(spec.run_dir) / 'ray-head.log'})")
-                address_file = ClusterAddressFile(spec.ray_address, settings)
                 with open(logs_dir(spec.run_dir) / "ray-head.log", "a") as log:  # Ray's banner and tracebacks
                     head = subprocess.Popen(head_cmd, env=settings.environ({**workers_env, **extra}), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=ends_with_us)
@@ -632,7 +589,6 @@ def launch_grpo_head(settings: Settings) -> int:
             if head is not None:
                 say("stopping the Ray head (workers leave when it goes away)")
                 stop_group(head, "the Ray head")
-                address_file.restore()  # leave the node as found: no plain ray.init() joins our dead head
             if checks is not None:  # a thread still importing verl at exit would print past our last line, or
                 checks.thread.join()  # abort the interpreter's shutdown (CPython's lock on stderr)
     if rc != 0:
@@ -692,12 +648,8 @@ def launch_grpo_worker(settings: Settings) -> int:
                                         "there, check HEAD_IP / RAY_PORT and the firewall, or raise WAIT_TIMEOUT")
                     time.sleep(2.0)
                     bar.update(2)
-            address_file = ClusterAddressFile(spec.ray_address, settings)
             timeline.stamp("the head answers")
-            try:
-                _run_worker(spec, command, {**extra, **auth}, deadline)
-            finally:
-                address_file.restore()  # leave the node as found: no plain ray.init() joins the departed head
+            _run_worker(spec, command, {**extra, **auth}, deadline)
         finally:
             warmup.stop(warm)
         verdict = Path(extra["STACK_VERDICT"])

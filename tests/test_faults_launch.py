@@ -328,7 +328,7 @@ def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceb
 def test_a_launch_killed_outright_leaves_nothing_of_its_run_running(ray_env, tmp_path, command):
     """The OOM killer (or kill -9) takes the launch alone, and it stops nothing itself. What it started in sessions
     of their own (torchrun; `ray start --block` and the held driver) learn their parent is gone (PR_SET_PDEATHSIG)
-    and stop their own children: no rank, Ray process or driver keeps going."""
+    and stop their own children: no rank, Ray process or driver keeps going, and no record of the dead head."""
     env = {**ray_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "STANDIN_HOLD": str(tmp_path / "never"),
            "NNODES": "2" if command == "grpo-head" else "1", "WAIT_TIMEOUT": "300"}  # the head waits for a worker
     launch = start_app(command, env, tmp_path / "launch.log")
@@ -356,6 +356,8 @@ def test_a_launch_killed_outright_leaves_nothing_of_its_run_running(ray_env, tmp
     left = ours()
     stop_group(launch, grace=5)
     assert left == []
+    if command == "grpo-head":  # `ray start` put back the node's record of its cluster as it went: nothing names
+        assert not started.exists()  # the dead head for a later plain ray.init()
 
 
 def test_a_master_port_in_use_on_node_0_is_one_line_naming_its_holder(ray_env):

@@ -203,7 +203,7 @@ def test_grpo_head_dry_run_shows_token_auth_loopback_dashboard_and_the_cluster_d
                                        "RAY_AUTH_TOKEN": "abc123"})
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "ray.scripts.scripts start --head --block --node-ip-address 127.0.0.3 --port 6379" in out
+    assert "app.raystart start --head --block --node-ip-address 127.0.0.3 --port 6379" in out
     assert "--dashboard-host 127.0.0.1" in out
     assert "export RAY_AUTH_MODE=token" in out and "abc123" not in out
     assert "export RAY_ADDRESS=127.0.0.3:6379" in out
@@ -401,7 +401,7 @@ def test_grpo_worker_dry_run_joins_the_head_address_and_needs_head_ip(base_env):
     result = run_app("grpo-worker", env={**base_env, "DRY_RUN": "1", "HEAD_IP": "127.0.0.3", "RAY_PORT": "6400",
                                          "NODE_IP": "127.0.0.4"})
     assert result.returncode == 0, result.stderr
-    assert "ray.scripts.scripts start --address 127.0.0.3:6400 --block" in result.stdout
+    assert "app.raystart start --address 127.0.0.3:6400 --block" in result.stdout
     assert "--node-ip-address 127.0.0.4" in result.stdout and "export RAY_AUTH_MODE=token" in result.stdout
     line = assert_one_line_error(run_app("grpo-worker", env={**base_env, "DRY_RUN": "1"}))
     assert "HEAD_IP is not set" in line
