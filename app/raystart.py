@@ -30,15 +30,23 @@ def names_port(content: str | None, port: str) -> bool:
     return content is not None and content.rsplit(":", 1)[-1] == port
 
 
+def read(path: Path) -> str | None:
+    """The record, or None where there is none or it cannot be read (a traceback at exit would help no one)."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
 def keep_address_file(args: list[str]) -> None:
     from ray._common.utils import get_ray_address_file
 
     path = Path(get_ray_address_file(flag(args, "--temp-dir")))
     port = flag(args, "--port") or "6379" if "--head" in args else (flag(args, "--address") or "").rsplit(":", 1)[-1]
-    before = path.read_text().strip() if path.is_file() else None
+    before = read(path)
 
     def restore() -> None:
-        now = path.read_text().strip() if path.is_file() else None
+        now = read(path)
         if not names_port(now, port):
             return  # never written by this `ray start`, or by another cluster since: not ours to touch
         try:
