@@ -354,7 +354,7 @@ def _selected(lengths: list[int], max_samples, shuffle: bool, seed) -> list[int]
     return [lengths[i] for i in rng.choice(len(lengths), size=max_samples, replace=False).tolist()]
 
 
-def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], warnings: list[str]) -> bool:
+def check_prompt_lengths(spec, notes: list[str], warnings: list[str]) -> bool:
     """The RL prompts' tokens, counted with the tokenizer and chat template verl will use. verl 0.9.1 cuts the start
     of a prompt over rollout.prompt_length (agent_loop._cap_text_prompt_length): refused. Its filter drops rows
     over data.max_prompt_length: said; refused where less than a batch (or no val row) is left. True where the
@@ -378,6 +378,7 @@ def check_prompt_lengths(spec, files: list[tuple[str, Path]], notes: list[str], 
     if skip:
         notes.append(f"prompt lengths: not counted ({skip} changes how verl counts): verl's filter decides")
         return False
+    files = [("train", path) for path in spec.files("train")] + [("val", path) for path in spec.files("val")]
     template, trust = sel(f"{model}.custom_chat_template"), bool(sel(f"{model}.trust_remote_code"))
     tokenizer = tokenizer_loader(tokenizer_dir, trust, template)
     recipe = dict(prompt_key=sel("data.prompt_key") or "prompt", template_kwargs=kwargs, failed=limit + 1)
@@ -522,11 +523,10 @@ def cached_lengths(path: Path, tokenizer_dir: Path, tokenizer: Callable, key: di
     return lengths
 
 
-def check_run_data(spec, notes: list[str], warnings: list[str]) -> bool:
+def check_run_data(spec, notes: list[str], warnings: list[str]) -> None:
     """The run's data files (app.spec's composed config) as verl will meet them: each one readable in the job's
     schema, val apart from train, a batch of rows at least (verl drops the last partial batch: SFT then divides by
-    zero, GRPO asserts an empty loader), SFT lengths and GRPO prompt lengths as verl counts them. Returns True where
-    verl's prompt filter can be turned off (check_prompt_lengths)."""
+    zero, GRPO asserts an empty loader) and SFT lengths as verl counts them. GRPO's prompts: check_prompt_lengths."""
     kind = "sft" if spec.job == "sft" else "rl"
     reports = {}
     for split in ("train", "val"):
@@ -539,22 +539,17 @@ def check_run_data(spec, notes: list[str], warnings: list[str]) -> bool:
             warnings += list(report.notes)
     train, val = spec.files("train"), spec.files("val")
     warnings += [overlap for t in train for v in val if (overlap := compare_splits(reports[t], reports[v]))]
-    filter_off = False
     if spec.job == "sft":
         check_sft_lengths(spec, train, warnings)
         if not val:
             warnings.append("no validation file: SFT runs without val/loss (VAL_FILE, or DATA_DIR's test.parquet)")
-    else:
-        if not val:
-            raise UserError("data.val_files is empty, but verl 0.9.1's GRPO always builds its val dataset: keep a val "
-                            "file (VAL_FILE, or DATA_DIR's test.parquet)")
-        filter_off = check_prompt_lengths(spec, [("train", p) for p in train] + [("val", p) for p in val], notes,
-                                          warnings)
+    elif not val:
+        raise UserError("data.val_files is empty, but verl 0.9.1's GRPO always builds its val dataset: keep a val "
+                        "file (VAL_FILE, or DATA_DIR's test.parquet)")
     rows, batch = sum(reports[p].rows for p in train), spec.get("data.train_batch_size")
     if rows < batch:
         raise UserError(f"{rows} train rows, fewer than data.train_batch_size={batch}: no step would run; use more "
                         f"rows or a smaller batch, e.g. ARGS='data.train_batch_size={rows}'")
-    return filter_off
 
 
 def check_sft_lengths(spec, files: list[Path], warnings: list[str]) -> None:

@@ -5,12 +5,15 @@ as a job without a runtime_env, so that MODULE (verl's driver) does not start on
 grpo-head starts verl's driver this way together with the Ray head: the driver imports what MODULE imports (verl,
 torch, Ray: seconds to tens of seconds, docs/benchmarks.md) while the head starts and the nodes join, and runs once
 the cluster is ready; `make demo` starts A1's eval this way with GRPO (--preload: what the eval imports only inside
-its functions). End of input (the launch stopped first) exits 0 without running it. On a terminal it runs at once."""
+its functions). A go line that is a JSON list adds those arguments to MODULE's: grpo-head's last ones are known only
+once the count of the prompts, beside the head's start, has chosen them. End of input (the launch stopped first)
+exits 0 without running it. On a terminal it runs at once."""
 
 import ast
 import contextlib
 import importlib
 import importlib.util
+import json
 import runpy
 import sys
 
@@ -37,8 +40,11 @@ def main() -> int:
         with contextlib.suppress(Exception):  # as above: the real run meets any failure again
             importlib.import_module(name)
     import_what_it_imports(module)
-    if not sys.stdin.isatty() and not sys.stdin.readline():
-        return 0
+    if not sys.stdin.isatty():
+        go = sys.stdin.readline()
+        if not go:
+            return 0
+        args += json.loads(go) if go.startswith("[") else []
     try:
         found = importlib.util.find_spec(module) is not None
     except ImportError:

@@ -29,7 +29,8 @@ from pathlib import Path
 from app import node, spec as specs, warmup
 from app.common import (PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, ends_with_us, mute, repo_first, say,
                         stop_group, warn)
-from app.preflight import Preflight, preflight, refuse_unusable_run_dir, refuse_without_gpus, report, verl_checks
+from app.preflight import (Preflight, count_prompts, preflight, refuse_unusable_run_dir, refuse_without_gpus, report,
+                           verl_checks)
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
 from app.settings import Settings
@@ -119,9 +120,9 @@ def run_process(settings: Settings, what: str, command: list[str], extra_env: di
     its children get SIGTERM and time to stop."""
     say(f"$ {shlex.join(command)}" + (f" (its output: {log})" if log else ""))
     process = held or start_process(settings, command, extra_env, piped=timeline is not None, log=log)
-    if held:
+    if held:  # its go, with the arguments `command` has beyond those it was started with (app.gate)
         with contextlib.suppress(BrokenPipeError):  # it ended already: its exit code says how
-            held.stdin.write("go\n")
+            held.stdin.write(json.dumps(command[len(held.args):]) + "\n")
             held.stdin.close()
     copies = [threading.Thread(target=_copy, args=(source, sink, timeline), daemon=True)
               for source, sink in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)) if source and timeline]
@@ -514,9 +515,10 @@ def launch_grpo_head(settings: Settings) -> int:
     problem = head_ip_problem(settings["HEAD_IP"])
     if problem and not dry:  # before preflight's notes: the one line is the refusal
         raise UserError(problem)
-    # verl's own checks (validate_config; its imports are most of preflight) run in series on a dry run, and while
-    # the head starts on a real one: a refusal there stops what started (FRESH's move aside stays, the old run whole)
-    plan = preflight("grpo", settings, deep=dry, gpus=not dry)
+    # the prompts' count and verl's own checks (validate_config; their imports are most of preflight) run in series
+    # on a dry run, and while the head starts on a real one: a refusal there stops what started (FRESH's move aside
+    # stays, the old run whole)
+    plan = preflight("grpo", settings, deep=dry, gpus=not dry, count=dry)
     spec = plan.spec
     if problem:  # a plan may be printed anywhere; starting the head may not
         warn(problem)
@@ -540,8 +542,11 @@ def launch_grpo_head(settings: Settings) -> int:
         extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})
         # verl's driver, held by app.gate: it imports verl, torch and Ray while the head starts and the nodes join,
         # and runs once they have (its imports are most of its start: docs/benchmarks.md)
-        driver_cmd = [sys.executable, "-m", "app.gate", *(["--ray"] if workers_env else []), settings["GRPO_TRAINER_MODULE"],
-                      *hydra_args("grpo", [*spec.overrides, *extra_overrides])]
+        # and held with its module's arguments to come: the count may still choose one (app.gate)
+        driver_cmd = [sys.executable, "-m", "app.gate", *(["--ray"] if workers_env else []), settings["GRPO_TRAINER_MODULE"]]
+
+        def driver_args() -> list[str]:
+            return hydra_args("grpo", [*spec.overrides, *extra_overrides])
         extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
@@ -549,7 +554,7 @@ def launch_grpo_head(settings: Settings) -> int:
                            ("start the Ray head (stopped again when GRPO ends)", head_cmd),
                            (f"and GRPO's driver, which imports meanwhile and runs against that cluster once "
                             f"{spec.nnodes} node(s) with {spec.gpus_per_node} GPU(s) each, every one running this run "
-                            f"(ray.nodes()), have joined (waiting up to {timeout}s)", driver_cmd)])
+                            f"(ray.nodes()), have joined (waiting up to {timeout}s)", driver_cmd + driver_args())])
             return 0
         fingerprint = write_fingerprint(plan, "head")
         extra["STACK_RUN"] = str(fingerprint)
@@ -569,20 +574,22 @@ def launch_grpo_head(settings: Settings) -> int:
                     head = subprocess.Popen(head_cmd, env=settings.environ({**workers_env, **extra}), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=ends_with_us)
 
-            def checked() -> list[str]:
-                notes = verl_checks(spec)
+            def checked() -> Preflight:
+                found = Preflight(spec)
+                count_prompts(spec, found.notes, found.warnings)
+                timeline.stamp("prompts counted")
+                found.notes += verl_checks(spec)
                 timeline.stamp("verl's checks passed")
-                return notes
+                return found
 
             checks = Background(checked)
             nodes = wait_for_nodes(spec.ray_address, spec.nnodes, spec.gpus_per_node, timeout, fingerprint, head,
                                    on_up=lambda: timeline.stamp("Ray head up"), also=checks.raise_if_failed)
-            for note in checks.result():
-                say(f"ok: {note}")
+            report(checks.result())
             timeline.stamp("all nodes joined")
             say(f"cluster ready: {describe_nodes(nodes)}")
             timeline.stamp("driver started")
-            rc = run_process(settings, "grpo", driver_cmd, driver_env, timeline, held=driver)
+            rc = run_process(settings, "grpo", driver_cmd + driver_args(), driver_env, timeline, held=driver)
         finally:
             stop_group(driver, "the GRPO driver")
             warmup.stop(warm)

@@ -33,8 +33,8 @@ measure() {  # label, then the command; GNU time: elapsed, user and system CPU, 
 measure "DRY_RUN=1 sft" env DRY_RUN=1 "$python" -m app sft
 measure "DRY_RUN=1 grpo-head" env DRY_RUN=1 "$python" -m app grpo-head
 measure "check grpo (+verl validate)" "$python" -m app check grpo
-# what a real grpo-head runs before its Ray head starts (verl's own checks then run beside the head's start)
-measure "grpo-head's preflight" "$python" -c "from app.settings import load; from app.preflight import preflight; preflight('grpo', load())"
+# what a real grpo-head runs before its Ray head starts (the prompts' count and verl's own checks then run beside it)
+measure "grpo-head's preflight" "$python" -c "from app.settings import load; from app.preflight import preflight; preflight('grpo', load(), count=False)"
 [ ! -e "$work/run" ] && echo "dry runs left no run directory behind"
 # what the time goes to: the heavy imports each dry run makes (the data checks count tokens with transformers,
 # which imports torch; GRPO's adds verl's validate_config)

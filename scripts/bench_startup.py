@@ -1,13 +1,14 @@
 """GRPO's start-up on this CPU machine, up to verl's TaskRunner: this tree against REF, in the same run.
 
-    python scripts/bench_startup.py [--ref REF] [--runs N]     (default: HEAD~1, 3 runs each, alternating)
+    python scripts/bench_startup.py [--ref REF] [--runs N] [--cold]   (default: HEAD~1, 3 runs each, alternating)
 
 Each run is a real `python -m app grpo-head` (a Ray head on 127.0.0.1, the full bundled GSM8K, a tiny model) with
 verl's own driver, verl.trainer.main_ppo, under another module name: preflight refuses the real name on a node
 without GPUs, and that check is not what is timed. Each output line is stamped on arrival; the run is stopped with
 SIGTERM at the TaskRunner's first line (on CPU, verl's GPU workers never come up), and must then leave no process
 of its Ray instance or its run behind. Prints a table and one `BENCH {json}` line per run (docs/bench/*.jsonl).
-REF is checked out as a git worktree beside this one's temp files and removed afterwards.
+REF is checked out as a git worktree beside this one's temp files and removed afterwards. --cold: each start with an
+empty cache of the prompts' token counts (XDG_CACHE_HOME of its own), as a node's first run of its data.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_start(tree: Path, work: Path, log: Path) -> dict[str, float]:
+def one_start(tree: Path, work: Path, log: Path, cold: bool) -> dict[str, float]:
     ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
+    cache = {"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="cache", dir=work)} if cold else {}
     env = {**os.environ, "DATA_DIR": str(work / "data"), "MODEL_PATH": str(work / "model"),
            "CKPT_DIR": str(work / "run"), "NNODES": "1", "GPUS_PER_NODE": "1", "RAY_TMPDIR": str(ray_tmp),
            "HEAD_IP": "127.0.0.1", "RAY_PORT": str(free_port()), "GRPO_TRAINER_MODULE": "verl_driver",
            "RAY_START_ARGS": "--num-gpus 1 --num-cpus 4 --include-dashboard false", "FRESH": "1",
-           "PYTHONPATH": f"{work}{os.pathsep}{tree}", "PYTHONUNBUFFERED": "1"}
+           "PYTHONPATH": f"{work}{os.pathsep}{tree}", "PYTHONUNBUFFERED": "1", **cache}
     seen: dict[str, float] = {}
     stopped = False
     start = time.monotonic()
@@ -76,6 +78,7 @@ def main() -> int:
     parser.add_argument("--ref", default="HEAD~1")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--logs", default=None, help="keep each run's stamped output here (default: a temp dir)")
+    parser.add_argument("--cold", action="store_true", help="each start without the prompts' counts cached")
     args = parser.parse_args()
     def commit(ref: str) -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", ref], cwd=REPO, text=True).strip()
@@ -99,12 +102,12 @@ def main() -> int:
                                                  "\n    main()\n")
             model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
             machine = f"{os.cpu_count()} CPU cores ({model}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-            command = f"python scripts/bench_startup.py --ref {args.ref} --runs {args.runs}"
+            command = f"python scripts/bench_startup.py --ref {args.ref} --runs {args.runs}{' --cold' if args.cold else ''}"
             print(f"machine: {machine}; load average {os.getloadavg()[0]:.2f}", flush=True)
             print(f"{'tree':28} {'run':>3} " + " ".join(f"{m:>18}" for m in MARKS), flush=True)
             for run in range(1, args.runs + 1):
                 for label, tree in trees.items():
-                    seen = one_start(tree, work, logs / f"{label.split()[0]}-{run}.log")
+                    seen = one_start(tree, work, logs / f"{label.split()[0]}-{run}.log", args.cold)
                     print(f"{label:28} {run:>3} " + " ".join(f"{seen[m]:>16.2f} s" for m in MARKS), flush=True)
                     print("BENCH " + json.dumps({"label": label, "run": run, "date": time.strftime("%Y-%m-%d"),
                                                  "machine": machine, "command": command,

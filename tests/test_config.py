@@ -624,14 +624,14 @@ def test_preflight_refuses_prompts_verl_would_truncate_with_the_filter_off(launc
     lengths = lengths_of(train, tiny_model_dir)
     limit = sorted(lengths)[3]  # the two long ones are over it
     env = {**launch_env, "TRAIN_FILE": str(train), "VAL_FILE": str(tmp_path / "val.parquet"),
-           "ARGS": f"data.max_prompt_length={limit} data.filter_overlong_prompts=False"}
+           "ARGS": f"data.max_prompt_length={limit} data.filter_overlong_prompts=False data.train_batch_size=4 "
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=4"}
     line = assert_one_line_error(run_app("check", "grpo", env=env))
     assert (f"2 of 6 train prompts are longer than actor_rollout_ref.rollout.prompt_length={limit} (longest "
             f"{max(lengths)} tokens) and data.filter_overlong_prompts is off" in line and "cut off their beginnings" in line
             and f"to {max(lengths)} or ARGS='data.filter_overlong_prompts=True'" in line)
     # the rollout's own limit is what verl cuts at: raised above every prompt, nothing is cut and the check passes
-    env["ARGS"] += (f" actor_rollout_ref.rollout.prompt_length={max(lengths)} data.train_batch_size=4 "
-                    "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    env["ARGS"] += f" actor_rollout_ref.rollout.prompt_length={max(lengths)}"
     assert run_app("check", "grpo", env=env).returncode == 0
     # with verl's filter on, the same prompts are dropped at start: said, and passed where enough are left
     env["ARGS"] = f"data.max_prompt_length={limit} data.train_batch_size=4 actor_rollout_ref.actor.ppo_mini_batch_size=4"

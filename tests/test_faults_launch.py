@@ -7,6 +7,7 @@ checked before anything waits. Real Ray on 127.0.0.1 / 127.0.0.2, started throug
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -44,13 +45,14 @@ def ray_env(base_env):
 
 
 def processes_naming(temp: str) -> list[str]:
-    """Live processes whose command lines name `temp`: a Ray instance's under its temp dir, a run's driver (held
-    or running: its overrides name the run directory)."""
+    """Live processes whose command lines or environments name `temp`: a Ray instance's under its temp dir, a run's
+    driver (running, its overrides name the run directory; held, its environment's CKPT_DIR does)."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if temp in cmdline and proc.info["pid"] != os.getpid():
-            found.append(f"{proc.info['pid']}: {cmdline[:160]}")
+        with contextlib.suppress(psutil.Error):
+            if proc.info["pid"] != os.getpid() and (temp in cmdline or any(temp in v for v in proc.environ().values())):
+                found.append(f"{proc.info['pid']}: {cmdline[:160]}")
     return found
 
 
@@ -87,7 +89,9 @@ def test_after_a_successful_grpo_head_run_the_node_is_as_found_and_the_last_line
     log = tmp_path / "head.log"
     assert code == 0, log.read_text()[-3000:]
     assert last_line(log).startswith("GRPO finished: checkpoints in "), log.read_text()[-2000:]
-    assert (Path(ray_env["CKPT_DIR"]) / "driver.json").is_file()
+    # the count, beside the head's start, found every prompt within the limit: the driver got its choice
+    argv = json.loads((Path(ray_env["CKPT_DIR"]) / "driver.json").read_text())["argv"]
+    assert "data.filter_overlong_prompts=False" in argv and "verl's length filter at every start skipped" in log.read_text()
     assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
 
 
@@ -105,11 +109,14 @@ def test_after_the_grpo_driver_fails_the_head_is_stopped_and_the_node_is_as_foun
 
 
 @pytest.mark.slow
-def test_a_config_verls_checks_reject_stops_the_starting_head_at_once_and_the_node_is_as_found(ray_env, tmp_path):
-    """verl's own checks run while the head starts: their refusal is make check's line, at once (not after the
-    wait for a second node), and what had started is stopped."""
-    args = ("actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
-            "actor_rollout_ref.actor.ppo_mini_batch_size=300")
+@pytest.mark.parametrize("args, refusal", [
+    ("actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+     "actor_rollout_ref.actor.ppo_mini_batch_size=300", "error: verl's validate_config rejects the grpo config:"),
+    ("data.max_prompt_length=4", "error: verl's length filter would leave 0 train prompts")], ids=["verl", "count"])
+def test_a_config_the_prompt_count_or_verls_checks_reject_stops_the_starting_head_at_once_and_the_node_is_as_found(
+        ray_env, tmp_path, args, refusal):
+    """The prompts' count and verl's own checks run while the head starts: their refusal is make check's line, at
+    once (not after the wait for a second node), and what had started is stopped."""
     env = {**ray_env, "ARGS": args, "NNODES": "2", "WAIT_TIMEOUT": "600"}
     check = assert_one_line_error(run_app("check", "grpo", env=env))
     head = start_app("grpo-head", env, tmp_path / "head.log")
@@ -120,7 +127,7 @@ def test_a_config_verls_checks_reject_stops_the_starting_head_at_once_and_the_no
     log = tmp_path / "head.log"
     assert code == 2 and last_line(log) == check, log.read_text()[-3000:]
     text = log.read_text()
-    assert check.startswith("error: verl's validate_config rejects the grpo config:") and "Traceback" not in text
+    assert check.startswith(refusal) and "Traceback" not in text
     assert "stopping the Ray head" in text
     assert_node_left_as_found(ray_env, f"127.0.0.1:{ray_env['RAY_PORT']}")
 

@@ -3,6 +3,7 @@ does) only once a line comes, stops unrun at end of input, and says a missing mo
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import subprocess
@@ -50,6 +51,15 @@ def test_the_held_driver_imports_first_and_runs_its_module_with_its_arguments_on
     assert (tmp_path / "ran").read_text() == '["a=1", "b=2"]'
     # its body ran once, as __main__ (importing it first would run it twice, and runpy warns of that)
     assert (tmp_path / "executions").read_text() == "__main__ " and "Warning" not in err
+
+
+def test_a_go_that_is_a_json_list_adds_its_arguments_to_the_modules(tmp_path):
+    """grpo-head's last arguments come with the go: the count of the prompts chose them while the driver imported."""
+    write_modules(tmp_path)
+    process = gate(tmp_path, "pkg.driver")
+    out, err = process.communicate('["c=3", "x y"]\n', timeout=60)
+    assert process.returncode == 0, err
+    assert json.loads((tmp_path / "ran").read_text()) == ["a=1", "b=2", "c=3", "x y"]
 
 
 def test_preload_imports_a_module_the_driver_imports_only_when_it_runs(tmp_path):

@@ -243,11 +243,13 @@ def test_ray_head_waits_for_the_worker_then_runs_the_driver_on_that_cluster(ray_
     from app.timeline import read
 
     phases = [p for p, _ in read(run / "logs" / "timeline-head.jsonl")]
-    assert [p for p in phases if p != "verl's checks passed"] == [
+    assert [p for p in phases if p not in ("prompts counted", "verl's checks passed")] == [
         "preflight done", "Ray head up", "all nodes joined", "driver started", "trainer workers ready",
         "vLLM engines ready", "ready to fit", "agent-loop workers up", "first step done"]
-    # verl's own checks ran while the head started (in either order with its port), and passed before the go
-    assert phases.index("preflight done") < phases.index("verl's checks passed") < phases.index("all nodes joined")
+    # the prompts' count, then verl's own checks ran while the head started (in either order with its port), and
+    # passed before the go
+    assert phases.index("preflight done") < phases.index("prompts counted") < phases.index("verl's checks passed") \
+        < phases.index("all nodes joined")
     assert "ok: verl's config types and validate_config: passed" in head_text
     assert "start-up on this node" in head_text
     assert [p for p, _ in read(run / "logs" / "timeline-worker-127.0.0.2.jsonl")] == ["preflight done",
