@@ -541,12 +541,13 @@ def launch_grpo_head(settings: Settings) -> int:
         # node, even under a Ray head this command did not start
         extra_overrides = tracking_overrides({**track, **compile_env(settings, vllm=True)})
         # verl's driver, held by app.gate: it imports verl, torch and Ray while the head starts and the nodes join,
-        # and runs once they have (its imports are most of its start: docs/benchmarks.md)
-        # and held with its module's arguments to come: the count may still choose one (app.gate)
+        # and runs once they have (its imports are most of its start: docs/benchmarks.md), its module's arguments
+        # sent with the go: the prompts' count, beside the head's start, may still choose one
         driver_cmd = [sys.executable, "-m", "app.gate", *(["--ray"] if workers_env else []), settings["GRPO_TRAINER_MODULE"]]
 
         def driver_args() -> list[str]:
             return hydra_args("grpo", [*spec.overrides, *extra_overrides])
+
         extra = {**track, **auth, **compile_env(settings, vllm=True)}
         if dry:
             print_plan(settings, f"grpo-head at {spec.ray_address} ({spec.nnodes} node(s) x {spec.gpus_per_node} "
