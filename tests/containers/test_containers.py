@@ -12,10 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+from app.node import port_open
 from containers.conftest import FIXTURES, IMAGE, REPO, USER_UID, error_lines, owned_dir, plan_line, read_json
 
 sys.path.insert(0, str(FIXTURES))
@@ -453,6 +455,10 @@ def test_make_k8s_rayjob_pods_run_grpo_on_the_cluster_kuberay_starts(tiny_model,
                        *ray_start[role], "--block", "--num-cpus=1", "--num-gpus=1",
                        f"--dashboard-agent-listen-port={free_port()}"]
             subprocess.run(command, check=True, capture_output=True, timeout=120)
+        # KubeRay runs the entrypoint once the cluster it started is ready: the head's port answers by then
+        deadline = time.monotonic() + 120
+        while not port_open("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.5)
         entry = subprocess.run(["docker", "exec", "-e", f"RAY_ADDRESS={address}", names[0], "bash", "-c",
                                 job["spec"]["entrypoint"]], capture_output=True, text=True, timeout=600)
         logs = [subprocess.run(["docker", "logs", name], capture_output=True, text=True).stdout for name in names]
