@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from any directory
 from app.timeline import step_metrics  # noqa: E402  (one reader of verl's step line, with the launch's)
+
+
+def machine() -> dict:
+    """What ran it: two H100s of one kind took 142 and 217 s to a warm first step (docs/benchmarks.md, runs 71-72),
+    so a record says which CPU and GPU it had."""
+    facts: dict = {"cores": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as info:
+            facts["cpu"] = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        facts["cpu"] = None
+    if shutil.which("nvidia-smi"):
+        try:
+            query = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30)
+            facts["gpus"] = query.stdout.split("\n")[:-1] if query.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):  # the record goes without it, never the run
+            facts["gpus"] = None
+    return facts
 
 
 def main() -> int:
@@ -41,6 +61,7 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     warmup = max(args.warmup, 1)  # each step is timed from the previous step line, so step 1 never is
 
+    host = machine()  # before the clock starts
     start = time.monotonic()
     steps: list[tuple[int, float, dict]] = []
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -78,7 +99,7 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     summary: dict = {"label": args.label, "steps": len(steps), "warmup": warmup, "end": stopped,
-                     "rc": proc.returncode, "wall_s": round(time.monotonic() - start, 1)}
+                     "rc": proc.returncode, "wall_s": round(time.monotonic() - start, 1), "host": host}
     timed = [(n, t, m, t - steps[i - 1][1]) for i, (n, t, m) in enumerate(steps) if i >= warmup]
     if timed:
         tokens = sum(m.get(args.tokens_key, 0.0) for _, _, m, _ in timed)

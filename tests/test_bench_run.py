@@ -4,6 +4,7 @@ the deadline (GPU run 10: a GRPO step of 100 s left no BENCH line when the calle
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,17 @@ def test_deadline_ends_a_silent_command_and_still_prints_the_steps_so_far(tmp_pa
     assert summary["wall_s"] < 15  # not the 60 s the command would have slept
     assert 250 < summary["tokens_per_s"] < 320  # step 2's 300 tokens over the ~1 s since step 1
     assert "step:2" in (tmp_path / "run.log").read_text()
+
+
+def test_the_summary_names_the_machine_that_ran_it(tmp_path):
+    """Machines of one kind differ by tens of seconds (docs/benchmarks.md, runs 71-72): each record says which."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_run.py"), "--label", "m", "--steps", "1",
+                             "--log", str(tmp_path / "run.log"), "--", "echo", "step:1 - timing_s/step:1.0"],
+                            capture_output=True, text=True, timeout=30)
+    summary = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("BENCH "))[len("BENCH "):])
+    with open("/proc/cpuinfo") as info:
+        model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    assert summary["host"]["cores"] == os.cpu_count() and summary["host"]["cpu"] == model
 
 
 def test_warmup_steps_are_left_out_of_the_means(tmp_path):
