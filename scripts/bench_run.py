@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,25 +25,26 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from any directory
+from app.node import gpus  # noqa: E402
 from app.timeline import step_metrics  # noqa: E402  (one reader of verl's step line, with the launch's)
+
+
+def cpu_model() -> str | None:
+    """This machine's CPU as /proc/cpuinfo names it; None where it does not."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def machine() -> dict:
     """What ran it: two H100s of one kind took 142 and 217 s to a warm first step (docs/benchmarks.md, runs 71-72),
     so a record says which CPU and GPU it had."""
-    facts: dict = {"cores": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as info:
-            facts["cpu"] = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        facts["cpu"] = None
-    if shutil.which("nvidia-smi"):
-        try:
-            query = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                   text=True, timeout=30)
-            facts["gpus"] = query.stdout.split("\n")[:-1] if query.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired):  # the record goes without it, never the run
-            facts["gpus"] = None
+    facts: dict = {"cores": os.cpu_count(), "cpu": cpu_model()}
+    found = gpus(None)  # preflight's reading of the driver (nvidia-smi, else /proc): never fails the run
+    if found.count is not None:
+        facts["gpus"] = [row["name"] for row in found.rows]
     return facts
 
 

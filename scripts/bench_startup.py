@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import psutil
+from bench_run import cpu_model  # this directory: run as a file
 
 REPO = Path(__file__).resolve().parents[1]
 # in the order they come; the driver joins in verl's main, or before it in app.gate --ray (RAY_WARM_WORKERS), where
@@ -100,8 +101,7 @@ def main() -> int:
             # verl's driver under a name preflight's GPU check lets pass on CPU
             (work / "verl_driver.py").write_text("from verl.trainer.main_ppo import main\n\nif __name__ == '__main__':"
                                                  "\n    main()\n")
-            model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-            machine = f"{os.cpu_count()} CPU cores ({model}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+            machine = f"{os.cpu_count()} CPU cores ({cpu_model() or '?'}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
             command = f"python scripts/bench_startup.py --ref {args.ref} --runs {args.runs}{' --cold' if args.cold else ''}"
             print(f"machine: {machine}; load average {os.getloadavg()[0]:.2f}", flush=True)
             print(f"{'tree':28} {'run':>3} " + " ".join(f"{m:>18}" for m in MARKS), flush=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from app.node import port_open
 from conftest import REPO, assert_one_line_error, run_app
 from test_launch import free_port, start_app, stop_group
 
@@ -268,7 +269,7 @@ def test_a_ray_head_left_by_an_earlier_run_is_one_line_not_a_hang(ray_env, tmp_p
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not port_open(int(ray_env["RAY_PORT"])) and time.monotonic() < deadline:
+        while not port_open("127.0.0.1", int(ray_env["RAY_PORT"])) and time.monotonic() < deadline:
             time.sleep(0.5)
         result = run_app("grpo-head", env={**ray_env, "WAIT_TIMEOUT": "600"}, timeout=300)
         line = the_one_error(result)
@@ -277,13 +278,6 @@ def test_a_ray_head_left_by_an_earlier_run_is_one_line_not_a_hang(ray_env, tmp_p
         assert "gcs_client" not in result.stderr + result.stdout  # Ray's retries: in the run's ray-wait.log
     finally:
         stop_group(left)
-
-
-def port_open(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_gpus_held_by_a_killed_runs_processes_are_refused_naming_them(ray_env, tmp_path):
