@@ -526,7 +526,7 @@ def cached_lengths(path: Path, tokenizer_dir: Path, tokenizer: Callable, key: di
 def check_run_data(spec, notes: list[str], warnings: list[str]) -> None:
     """The run's data files (app.spec's composed config) as verl will meet them: each one readable in the job's
     schema, val apart from train, a batch of rows at least (verl drops the last partial batch: SFT then divides by
-    zero, GRPO asserts an empty loader) and SFT lengths as verl counts them. GRPO's prompts: check_prompt_lengths."""
+    zero, GRPO asserts an empty loader). Their lengths: check_sft_lengths, check_prompt_lengths."""
     kind = "sft" if spec.job == "sft" else "rl"
     reports = {}
     for split in ("train", "val"):
@@ -540,7 +540,6 @@ def check_run_data(spec, notes: list[str], warnings: list[str]) -> None:
     train, val = spec.files("train"), spec.files("val")
     warnings += [overlap for t in train for v in val if (overlap := compare_splits(reports[t], reports[v]))]
     if spec.job == "sft":
-        check_sft_lengths(spec, train, warnings)
         if not val:
             warnings.append("no validation file: SFT runs without val/loss (VAL_FILE, or DATA_DIR's test.parquet)")
     elif not val:

@@ -29,7 +29,7 @@ from pathlib import Path
 from app import node, spec as specs, warmup
 from app.common import (PASS_NAMES, PASS_PREFIXES, UserError, atomic_path, ends_with_us, mute, repo_first, say,
                         stop_group, warn)
-from app.preflight import (Preflight, count_prompts, preflight, refuse_unusable_run_dir, refuse_without_gpus, report,
+from app.preflight import (Preflight, count_lengths, preflight, refuse_unusable_run_dir, refuse_without_gpus, report,
                            verl_checks)
 from app.rendezvous import SAID, mismatch
 from app.runs import RunLock, latest_step, live_locks, logs_dir, swanlog_dir, token_file
@@ -120,7 +120,7 @@ def run_process(settings: Settings, what: str, command: list[str], extra_env: di
     its children get SIGTERM and time to stop."""
     say(f"$ {shlex.join(command)}" + (f" (its output: {log})" if log else ""))
     process = held or start_process(settings, command, extra_env, piped=timeline is not None, log=log)
-    if held:  # its go, with the arguments `command` has beyond those it was started with (app.gate)
+    if held and held.stdin:  # its go, with the arguments `command` has beyond those it was started with (app.gate)
         with contextlib.suppress(BrokenPipeError):  # it ended already: its exit code says how
             held.stdin.write(json.dumps(command[len(held.args):]) + "\n")
             held.stdin.close()
@@ -204,7 +204,9 @@ def sft_command(plan: Preflight) -> list[str]:
 
 def launch_sft(settings: Settings) -> int:
     dry = settings["DRY_RUN"]
-    plan = preflight("sft", settings, gpus=not dry)
+    # the count of the conversations' lengths runs in series on a dry run, and while torchrun starts on a real one:
+    # its ranks import verl's trainer meanwhile and are held until it passes (app.rendezvous); a refusal stops them
+    plan = preflight("sft", settings, gpus=not dry, count=dry)
     spec = plan.spec
     if spec.multi_node and spec.node_rank == 0 and not dry:
         holder = node.port_holder(settings["MASTER_PORT"])
@@ -219,13 +221,25 @@ def launch_sft(settings: Settings) -> int:
             print_plan(settings, f"sft on node {spec.node_rank} of {spec.nnodes}", extra, [("train", command)])
             return 0
         # the rank entry stamps the nodes' meeting there
-        extra.update(STACK_TIMELINE=str(timeline.path), STACK_STARTED=str(timeline.started))
+        go = logs_dir(spec.run_dir) / f"go-{name}"
+        go.unlink(missing_ok=True)  # an earlier attempt's
+        extra.update(STACK_TIMELINE=str(timeline.path), STACK_STARTED=str(timeline.started), STACK_GO=str(go))
         if spec.multi_node:
             extra["STACK_RUN"] = str(write_fingerprint(plan, name))
             say(f"node {spec.node_rank} of {spec.nnodes}: waiting at {settings['MASTER_ADDR']}:{settings['MASTER_PORT']} "
                 f"for the others (run the same command with their NODE_RANK); this node's shards go to {spec.run_dir}")
+        trainer = start_process(settings, command, extra, piped=True)
         timeline.stamp("torchrun started")
-        rc = run_process(settings, "sft", command, extra, timeline)
+        try:
+            counted = Preflight(spec)
+            count_lengths(spec, counted.notes, counted.warnings)
+            report(counted)
+            timeline.stamp("lengths counted")
+            go.touch()
+            rc = run_process(settings, "sft", command, extra, timeline, held=trainer)
+        finally:
+            stop_group(trainer, "the SFT trainer")
+            go.unlink(missing_ok=True)
     if rc == SAID:
         raise UserError("")  # empty: the rank printed the one line already
     if rc != 0:
@@ -577,7 +591,7 @@ def launch_grpo_head(settings: Settings) -> int:
 
             def checked() -> Preflight:
                 found = Preflight(spec)
-                count_prompts(spec, found.notes, found.warnings)
+                count_lengths(spec, found.notes, found.warnings)
                 timeline.stamp("prompts counted")
                 found.notes += verl_checks(spec)
                 timeline.stamp("verl's checks passed")

@@ -15,7 +15,7 @@ from pathlib import Path
 from app import perf, spec as specs
 from app.common import ArgParser, UserError, directory_problem, say, warn
 from app.settings import BY_NAME, NODE_FACTS, RAY_ADDRESS_KEY, Settings, owned_in, owned_keys
-from app.data import check_prompt_lengths, check_run_data
+from app.data import check_prompt_lengths, check_run_data, check_sft_lengths
 from app.timeline import started_at
 from app.spec import BASE_CONFIG, FILTER_KEY, VLLM_EXECUTOR_KEY, Spec
 
@@ -312,7 +312,8 @@ def choose_vllm_executor(spec: Spec, notes: list[str]) -> None:
 def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = False, count: bool = True) -> Preflight:
     """Compose `job`'s config for this node and reject, with one actionable line, what would fail later.
     deep=True also runs verl's own checks, which import verl (seconds, no GPU needed). gpus=True (a real
-    launch) refuses a node without GPUs. count=False leaves GRPO's prompt count (count_prompts) to the caller."""
+    launch) refuses a node without GPUs. count=False leaves the count of the data's lengths (count_lengths) to the
+    caller."""
     _refuse_stale_environment(settings)
     if job not in BASE_CONFIG:
         raise UserError(f"unknown job {job!r}: use sft or grpo")
@@ -331,18 +332,21 @@ def preflight(job: str, settings: Settings, *, deep: bool = False, gpus: bool = 
     check_run_data(spec, plan.notes, plan.warnings)
     if job == "grpo":
         choose_vllm_executor(spec, plan.notes)
-        if count:
-            count_prompts(spec, plan.notes, plan.warnings)
+    if count:
+        count_lengths(spec, plan.notes, plan.warnings)
     if deep:
         plan.notes += verl_checks(spec)
     return plan
 
 
-def count_prompts(spec: Spec, notes: list[str], warnings: list[str]) -> None:
-    """GRPO's prompts counted as verl counts them (check_prompt_lengths), and verl's length filter off where they
-    all fit. Where the counts were not cached yet (a new node, new data), preflight took 10-16 s on 1xH100, where
-    they were 1.4 s (docs/gpu-runs.md runs 62-66): grpo-head runs this beside its head's start."""
-    if check_prompt_lengths(spec, notes, warnings):
+def count_lengths(spec: Spec, notes: list[str], warnings: list[str]) -> None:
+    """The train conversations (SFT) or prompts (GRPO) counted as verl counts them; for GRPO, verl's length filter
+    off where they all fit. Its import of transformers and the count are most of a preflight on a new node (10-16 s
+    on 1xH100 without the cache, 1.4 s with it: docs/gpu-runs.md runs 62-66, 73): the launches run it while torchrun
+    or the Ray head starts."""
+    if spec.job == "sft":
+        check_sft_lengths(spec, spec.files("train"), warnings)
+    elif check_prompt_lengths(spec, notes, warnings):
         spec.choose(FILTER_KEY, False)  # under CONFIG and ARGS, which the count saw leave it alone
 
 

@@ -1,5 +1,6 @@
 """Where the nodes of one SFT run meet: torchrun's own CLI with its tracebacks turned into one line, and in each
-rank, before verl's trainer starts, the comparison of what every node is about to run.
+rank, before verl's trainer starts, the launch's go (STACK_GO: its count of the data, run while the rank imports)
+and the comparison of what every node is about to run.
 
     python -m app.rendezvous torchrun <torchrun's arguments>   # what `make sft` starts (torchrun's own parser)
     python -m app.rendezvous rank MODULE <hydra overrides>     # what torchrun starts on each GPU
@@ -18,6 +19,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,9 +64,25 @@ def compare_at_rendezvous(env) -> None:
             raise SystemExit(SAID)
 
 
+def import_then_wait_for_go(module: str, go: Path) -> None:
+    """What `module` imports, imported while the launch counts the data's lengths beside torchrun's start (both
+    import transformers: most of SFT's start on a new node, docs/gpu-runs.md run 73); then held until the launch
+    writes `go` once the count passed (a refusal stops torchrun instead), or until the agent that started us is gone."""
+    from app.gate import import_what_it_imports
+
+    import_what_it_imports(module)
+    agent = os.getppid()
+    while not go.exists():
+        if os.getppid() != agent:
+            raise SystemExit(1)
+        time.sleep(0.05)
+
+
 def rank(argv: list[str]) -> int:
     module, overrides = argv[0], argv[1:]
     env = os.environ  # a rank process, started by torchrun: its variables (RANK, MASTER_ADDR) and the launch's
+    if env.get("STACK_GO"):
+        import_then_wait_for_go(module, Path(env["STACK_GO"]))
     if env.get("STACK_RUN"):
         compare_at_rendezvous(env)
     if env.get("STACK_TIMELINE") and env.get("LOCAL_RANK") == "0":

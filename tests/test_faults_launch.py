@@ -325,6 +325,39 @@ def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceb
 
 
 @pytest.mark.slow
+def test_an_sft_whose_count_refuses_stops_the_torchrun_it_started_with_make_checks_line(ray_env, tmp_path):
+    """SFT's conversations are counted while torchrun starts, its ranks held: the count's refusal is make check's
+    line, and the torchrun already started stops before verl's trainer runs, leaving nothing running."""
+    import pandas as pd
+
+    from stack_files import write_sft
+
+    train = write_sft(tmp_path / "train.parquet", rows=64)
+    table = pd.read_parquet(train)
+    table.at[3, "messages"] = [{"role": "user", "content": "What is 1 + 1? " + "and " * 400},
+                               {"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]
+    table.to_parquet(train)
+    env = {**ray_env, "SFT_TRAINER_MODULE": "cpu_sft_trainer", "TRAIN_FILE": str(train),
+           "ARGS": "data.max_length=256 data.truncation=error"}
+    check = assert_one_line_error(run_app("check", "sft", env=env))
+    assert check.startswith("error: 1 of 64 train conversations are longer than data.max_length=256"), check
+    launch = start_app("sft", env, tmp_path / "launch.log")
+    try:
+        code = launch.wait(timeout=300)
+    finally:
+        stop_group(launch)
+    log = (tmp_path / "launch.log").read_text()
+    assert code == 2 and last_line(tmp_path / "launch.log") == check and "Traceback" not in log, log[-3000:]
+    from app.timeline import read
+
+    run = Path(env["CKPT_DIR"])
+    assert [p for p, _ in read(run / "logs" / "timeline-node0.jsonl")] == ["preflight done", "torchrun started"]
+    assert not (run / "rank0.json").exists() and not (run / ".locks" / "node0.json").exists()
+    stray = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+    assert stray == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["sft", "grpo-head"])
 def test_a_launch_killed_outright_leaves_nothing_of_its_run_running(ray_env, tmp_path, command):
     """The OOM killer (or kill -9) takes the launch alone, and it stops nothing itself. What it started in sessions

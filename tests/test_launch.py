@@ -105,7 +105,9 @@ def test_two_node_torchrun_rendezvous_over_gloo_meets_and_finishes(base_env, tmp
 
     for rank in (0, 1):
         phases = [p for p, _ in read(tmp_path / f"node{rank}" / "run" / "logs" / f"timeline-node{rank}.jsonl")]
-        assert phases[:3] == ["preflight done", "torchrun started", "nodes agreed, trainer starts"], phases
+        # the count of the data ran while torchrun started; the ranks, held until it passed, then met
+        assert phases[:4] == ["preflight done", "torchrun started", "lengths counted", "nodes agreed, trainer starts"], \
+            phases
     assert phases_of_node0_end(tmp_path) == "first step done" and "start-up on this node" in logs[0]
     # torchrun's attempt files stay with each node's run, none in the temp dir
     assert all(any((tmp_path / f"node{rank}" / "run" / "logs" / "torchrun").iterdir()) for rank in (0, 1))
