@@ -1,6 +1,8 @@
-"""GRPO's start-up on this CPU machine, up to verl's TaskRunner: this tree against REF, in the same run.
+"""GRPO's start-up on this CPU machine, up to verl's TaskRunner (or SFT's, up to verl's trainer imported in its
+rank): this tree against REF, in the same run.
 
-    python scripts/bench_startup.py [--ref REF] [--runs N] [--cold]   (default: HEAD~1, 3 runs each, alternating)
+    python scripts/bench_startup.py [--job grpo|sft] [--ref REF] [--runs N] [--cold]   (default: grpo, HEAD~1, 3 runs
+                                                                                     each, alternating)
 
 Each run is a real `python -m app grpo-head` (a Ray head on 127.0.0.1, the full bundled GSM8K, a tiny model) with
 verl's own driver, verl.trainer.main_ppo, under another module name: preflight refuses the real name on a node
@@ -9,6 +11,9 @@ SIGTERM at the TaskRunner's first line (on CPU, verl's GPU workers never come up
 of its Ray instance or its run behind. Prints a table and one `BENCH {json}` line per run (docs/bench/*.jsonl).
 REF is checked out as a git worktree beside this one's temp files and removed afterwards. --cold: each start with an
 empty cache of the prompts' token counts (XDG_CACHE_HOME of its own), as a node's first run of its data.
+--job sft: a real `python -m app sft` (torchrun, one CPU rank, the bundled GSM8K's SFT file) whose rank runs a module
+that imports verl's SFT trainer (verl.trainer.sft_trainer, under another name for the same reason) and prints a line
+instead of training: the start is timed up to that line, and the launch must then finish and leave nothing running.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from bench_run import cpu_model  # this directory: run as a file
 REPO = Path(__file__).resolve().parents[1]
 # in the order they come; the driver joins in verl's main, or before it in app.gate --ray (RAY_WARM_WORKERS), where
 # Ray's own line says it
-MARKS = {"cluster ready": ("cluster ready:",), "driver's ray.init": ("ray init kwargs:", "Connected to Ray cluster"),
-         "TaskRunner up": ("(TaskRunnerV1",)}
+MARKS = {"grpo": {"cluster ready": ("cluster ready:",),
+                  "driver's ray.init": ("ray init kwargs:", "Connected to Ray cluster"), "TaskRunner up": ("(TaskRunnerV1",)},
+         "sft": {"trainer imported": ("verl's SFT trainer imported",)}}
+IMPORTED = "verl's SFT trainer imported"
 
 
 def free_port() -> int:
@@ -40,42 +47,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_start(tree: Path, work: Path, log: Path, cold: bool) -> dict[str, float]:
+def one_start(tree: Path, work: Path, log: Path, cold: bool, job: str) -> dict[str, float]:
     ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
     cache = {"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="cache", dir=work)} if cold else {}
     env = {**os.environ, "DATA_DIR": str(work / "data"), "MODEL_PATH": str(work / "model"),
            "CKPT_DIR": str(work / "run"), "NNODES": "1", "GPUS_PER_NODE": "1", "RAY_TMPDIR": str(ray_tmp),
            "HEAD_IP": "127.0.0.1", "RAY_PORT": str(free_port()), "GRPO_TRAINER_MODULE": "verl_driver",
+           "SFT_TRAINER_MODULE": "verl_sft", "MASTER_PORT": str(free_port()),
            "RAY_START_ARGS": "--num-gpus 1 --num-cpus 4 --include-dashboard false", "FRESH": "1",
            "PYTHONPATH": f"{work}{os.pathsep}{tree}", "PYTHONUNBUFFERED": "1", **cache}
+    marks, last = MARKS[job], list(MARKS[job])[-1]
     seen: dict[str, float] = {}
     stopped = False
     start = time.monotonic()
-    app = subprocess.Popen([sys.executable, "-m", "app", "grpo-head"], cwd=tree, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+    app = subprocess.Popen([sys.executable, "-m", "app", "grpo-head" if job == "grpo" else "sft"], cwd=tree, env=env,
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
     with open(log, "w") as out:
         for line in app.stdout:
             now = time.monotonic() - start
             out.write(f"{now:7.2f} {line}")
-            for mark, texts in MARKS.items():
+            for mark, texts in marks.items():
                 if mark not in seen and any(text in line for text in texts):
                     seen[mark] = round(now, 2)
                 if mark not in seen:
                     break  # a later mark counts only once this one is seen
-            if "TaskRunner up" in seen and not stopped:
+            if job == "grpo" and last in seen and not stopped:
                 app.send_signal(signal.SIGTERM)  # once, as `docker stop` does: the launch stops what it started
                 stopped = True
-    app.wait(timeout=300)
+    code = app.wait(timeout=300)
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if any(str(d) in " ".join(p.info["cmdline"] or []) for d in (ray_tmp, work / "run"))]
     subprocess.run(["rm", "-rf", str(ray_tmp)])
-    if len(seen) != len(MARKS) or left:
-        sys.exit(f"error: {tree}: a start reached {sorted(seen)} and left {left} running (see {log})")
+    if len(seen) != len(marks) or left or (job == "sft" and code != 0):
+        sys.exit(f"error: {tree}: a start reached {sorted(seen)}, exited {code} and left {left} running (see {log})")
     return seen
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", choices=sorted(MARKS), default="grpo")
     parser.add_argument("--ref", default="HEAD~1")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--logs", default=None, help="keep each run's stamped output here (default: a temp dir)")
@@ -101,17 +111,20 @@ def main() -> int:
             # verl's driver under a name preflight's GPU check lets pass on CPU
             (work / "verl_driver.py").write_text("from verl.trainer.main_ppo import main\n\nif __name__ == '__main__':"
                                                  "\n    main()\n")
+            (work / "verl_sft.py").write_text(f"from verl.trainer.sft_trainer import main\n\nprint({IMPORTED!r})\n")
             machine = f"{os.cpu_count()} CPU cores ({cpu_model() or '?'}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-            command = f"python scripts/bench_startup.py --ref {args.ref} --runs {args.runs}{' --cold' if args.cold else ''}"
+            command = f"python scripts/bench_startup.py --job {args.job} --ref {args.ref} --runs {args.runs}" \
+                      f"{' --cold' if args.cold else ''}"
             print(f"machine: {machine}; load average {os.getloadavg()[0]:.2f}", flush=True)
-            print(f"{'tree':28} {'run':>3} " + " ".join(f"{m:>18}" for m in MARKS), flush=True)
+            print(f"{'tree':28} {'run':>3} " + " ".join(f"{m:>18}" for m in MARKS[args.job]), flush=True)
             for run in range(1, args.runs + 1):
                 for label, tree in trees.items():
-                    seen = one_start(tree, work, logs / f"{label.split()[0]}-{run}.log", args.cold)
-                    print(f"{label:28} {run:>3} " + " ".join(f"{seen[m]:>16.2f} s" for m in MARKS), flush=True)
-                    print("BENCH " + json.dumps({"label": label, "run": run, "date": time.strftime("%Y-%m-%d"),
+                    seen = one_start(tree, work, logs / f"{label.split()[0]}-{run}.log", args.cold, args.job)
+                    print(f"{label:28} {run:>3} " + " ".join(f"{seen[m]:>16.2f} s" for m in seen), flush=True)
+                    print("BENCH " + json.dumps({"label": label, "job": args.job, "run": run,
+                                                 "date": time.strftime("%Y-%m-%d"),
                                                  "machine": machine, "command": command,
-                                                 **{f"{m} s": seen[m] for m in MARKS}}), flush=True)
+                                                 **{f"{m} s": seen[m] for m in seen}}), flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(ref_tree)], cwd=REPO)
     return 0

@@ -69,12 +69,27 @@ def test_the_preflight_bench_times_every_command_and_names_what_each_dry_run_imp
 def test_the_startup_bench_starts_grpo_head_with_verls_driver_in_both_trees_and_leaves_nothing_running(tmp_path):
     """One run each of HEAD and this tree (the same code in CI): real Ray heads, verl's real driver up to its
     TaskRunner, stopped with SIGTERM; the script itself fails where a start leaves a process behind."""
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--ref", "HEAD", "--runs", "1",
-                             "--logs", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO)
+    records, log = startup_bench(tmp_path, "grpo")
+    for record in records:
+        assert 0 < record["cluster ready s"] < record["TaskRunner up s"]
+    assert "stopped by SIGTERM" in log and "SIGTERM received" not in log  # our line, not Ray's signal dump
+
+
+@pytest.mark.slow
+def test_the_startup_bench_times_sft_up_to_verls_trainer_imported_in_its_rank_and_the_launch_finishes(tmp_path):
+    """--job sft --cold: a real torchrun whose rank imports verl's SFT trainer, its data counted without a cache;
+    the script fails where the launch fails or leaves a process behind."""
+    records, log = startup_bench(tmp_path, "sft", "--cold")
+    assert all(record["job"] == "sft" and record["trainer imported s"] > 0 for record in records)
+    assert "SFT finished" in log
+
+
+def startup_bench(tmp_path, job: str, *extra: str) -> tuple[list[dict], str]:
+    """scripts/bench_startup.py, one run of HEAD and one of this tree: its BENCH records and this tree's log."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_startup.py"), "--job", job, "--ref", "HEAD",
+                             "--runs", "1", "--logs", str(tmp_path), *extra], capture_output=True, text=True,
+                            timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("BENCH ")]
     assert [r["label"].split()[0] for r in records] == ["HEAD", "this"]
-    for record in records:
-        assert 0 < record["cluster ready s"] < record["TaskRunner up s"]
-    log = (tmp_path / "this-1.log").read_text()
-    assert "stopped by SIGTERM" in log and "SIGTERM received" not in log  # our line, not Ray's signal dump
+    return records, (tmp_path / "this-1.log").read_text()
