@@ -321,7 +321,7 @@ def test_ctrl_c_or_sigterm_on_a_running_sft_is_our_one_line_not_torchruns_traceb
     assert [line for line in err.splitlines() if line.startswith("error:")] == [err.strip().splitlines()[-1]]
     assert err.strip().splitlines()[-1].startswith(said)
     stray = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
-    assert stray == [] and not (run / ".locks" / "node0.json").exists()
+    assert stray == [] and not (run / ".locks" / "node0.json").exists() and not (run / "logs" / "go-node0").exists()
 
 
 @pytest.mark.slow
