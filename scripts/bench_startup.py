@@ -35,10 +35,10 @@ from bench_run import cpu_model  # this directory: run as a file
 REPO = Path(__file__).resolve().parents[1]
 # in the order they come; the driver joins in verl's main, or before it in app.gate --ray (RAY_WARM_WORKERS), where
 # Ray's own line says it
+IMPORTED = "verl's SFT trainer imported"  # what --job sft's stand-in module prints once it has imported the trainer
 MARKS = {"grpo": {"cluster ready": ("cluster ready:",),
                   "driver's ray.init": ("ray init kwargs:", "Connected to Ray cluster"), "TaskRunner up": ("(TaskRunnerV1",)},
-         "sft": {"trainer imported": ("verl's SFT trainer imported",)}}
-IMPORTED = "verl's SFT trainer imported"
+         "sft": {"trainer imported": (IMPORTED,)}}
 
 
 def free_port() -> int:
